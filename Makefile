@@ -1,0 +1,52 @@
+# beamserve — two commands from a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+DEBS := libfabric1
+PYTEST_ARGS ?=
+
+.PHONY: install debs demo test test-slow lint bench clean
+
+install: $(STAMP)
+
+# Debian packages the code needs: libfabric1 for Mooncake's transfer engine.
+debs:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt | debs
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and alone: the CPU wheel that lies on this machine's disk.
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[transfer,dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/beamserve demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -p no:cacheprovider --import-mode=importlib -m slow $(PYTEST_ARGS)
+
+# mypy reads a regular install (build/lint-site), never the repository folders:
+# `operator/` at the root would shadow the standard library for mypy.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	rm -rf build/lint-site && $(PIP) install -q --no-deps --no-build-isolation --target build/lint-site .
+	cd build && MYPYPATH=lint-site ../$(VENV)/bin/mypy -p beamserve.kv_transfer
+
+bench: install
+	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json
+
+clean:
+	rm -rf $(VENV) build bench-results *.egg-info
