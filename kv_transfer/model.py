@@ -146,14 +146,25 @@ def _positive_int(raw: dict[str, Any], name: str) -> int:
 
 
 def _validate(cfg: BeamModelConfig) -> None:
+    for name in (
+        "num_hidden_layers",
+        "sliding_window",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
+        if getattr(cfg, name) <= 0:
+            raise ModelConfigError(f"{name}: must be positive")
     if len(cfg.layer_types) != cfg.num_hidden_layers:
         raise ModelConfigError(
             f"layer_types: has {len(cfg.layer_types)} entries but num_hidden_layers is "
             f"{cfg.num_hidden_layers}; give one type per layer"
         )
-    bad = sorted({t for t in cfg.layer_types if t not in _LAYER_TYPES})
+    bad = sorted({repr(t) for t in cfg.layer_types if t not in _LAYER_TYPES})
     if bad:
-        raise ModelConfigError(f"layer_types: unknown {bad}; valid types are {list(_LAYER_TYPES)}")
+        raise ModelConfigError(
+            f"layer_types: unknown [{', '.join(bad)}]; valid types are {list(_LAYER_TYPES)}"
+        )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ModelConfigError(
             f"num_key_value_heads: {cfg.num_key_value_heads} does not divide "
@@ -161,6 +172,3 @@ def _validate(cfg: BeamModelConfig) -> None:
         )
     if cfg.dtype not in _DTYPE_BYTES:
         raise ModelConfigError(f"dtype: {cfg.dtype!r} unsupported; use one of {list(_DTYPE_BYTES)}")
-    for name in ("sliding_window", "head_dim", "num_hidden_layers"):
-        if getattr(cfg, name) <= 0:
-            raise ModelConfigError(f"{name}: must be positive")

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-
 from beamserve.kv_transfer.errors import TransferPlanError
 from beamserve.kv_transfer.topology import (
     IntArray,
@@ -209,9 +208,15 @@ def _rank_group_descs(
         units = [(dheads[0], 0, dst.local_heads)]
 
     n_units = len(units)
-    # Source rank per (layer, K/V, unit): replicas take turns along (layer, K/V), offset by d,
-    # so each replica serves an equal share (±1 buffer) of every destination rank's reads.
-    turn = (d + 2 * np.arange(len(layers))[:, None] + np.arange(2)[None, :]).astype(np.int64)
+    # Source rank per (layer, K/V, unit): replicas take turns along (layer, K/V), continuing
+    # the count across destination ranks (offset d·2·layers, not d: destination ranks that
+    # share a replicated head are consecutive, so one round-robin runs over all their reads),
+    # so each replica serves an equal share (±1 buffer) of every destination rank's reads and of
+    # the pool's.
+    n_turns = 2 * len(layers)
+    turn = (d * n_turns + 2 * np.arange(len(layers))[:, None] + np.arange(2)[None, :]).astype(
+        np.int64
+    )
     src_rank = np.empty((len(layers), 2, n_units), dtype=np.int64)
     src_j = np.empty(n_units, dtype=np.int64)
     dst_j = np.empty(n_units, dtype=np.int64)

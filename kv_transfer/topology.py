@@ -20,7 +20,6 @@ from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
-
 from beamserve.kv_transfer.errors import TopologyError, TransferPlanError
 from beamserve.kv_transfer.model import BeamModelConfig
 
@@ -58,8 +57,14 @@ class PoolTopology:
             raise TopologyError(
                 f"page_size: {self.page_size} unsupported; choose one of {list(PAGE_SIZES)}"
             )
-        object.__setattr__(self, "kv_dtype", KVDtype(self.kv_dtype))
-        object.__setattr__(self, "layout", KVLayout(self.layout))
+        for name, kind in (("kv_dtype", KVDtype), ("layout", KVLayout)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise TopologyError(
+                    f"{name}: {value!r} unsupported; choose one of {[v.value for v in kind]}"
+                ) from None
 
     def check_model(self, model: BeamModelConfig) -> None:
         """Raise `TopologyError` unless TP shards the model's KV heads evenly."""
