@@ -55,8 +55,13 @@ class RankAgentModel(BaseModel):
     region_bytes: int
 
     def to_info(self) -> AgentInfo:
-        return AgentInfo(self.backend, self.name, base64.b64decode(self.metadata_b64),
-                         self.base_addr, self.region_bytes)
+        return AgentInfo(
+            self.backend,
+            self.name,
+            base64.b64decode(self.metadata_b64),
+            self.base_addr,
+            self.region_bytes,
+        )
 
 
 class ModelKVModel(BaseModel):
@@ -109,8 +114,14 @@ class _Lease:
 class PrefillKVRegistry:
     """What a prefill worker exposes: its ranks' agents and the requests whose KV it holds."""
 
-    def __init__(self, engine_id: str, layout: PoolLayout, backend: str,
-                 agents: Sequence[AgentInfo], lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        layout: PoolLayout,
+        backend: str,
+        agents: Sequence[AgentInfo],
+        lease_s: float = 30.0,
+    ) -> None:
         self.engine_id, self.layout, self.backend = engine_id, layout, backend
         self.agents, self.lease_s = list(agents), lease_s
         self._leases: dict[str, _Lease] = {}
@@ -120,26 +131,50 @@ class PrefillKVRegistry:
     def peer_info(self) -> KVPeerInfo:
         m, t = self.layout.model, self.layout.topology
         return KVPeerInfo(
-            engine_id=self.engine_id, backend=self.backend, model_fingerprint=m.fingerprint(),
+            engine_id=self.engine_id,
+            backend=self.backend,
+            model_fingerprint=m.fingerprint(),
             model=ModelKVModel(
-                num_hidden_layers=m.num_hidden_layers, layer_types=list(m.layer_types),
-                sliding_window=m.sliding_window, num_attention_heads=m.num_attention_heads,
-                num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, dtype=m.dtype),
-            tp_size=t.tp_size, page_size=t.page_size, kv_dtype=t.kv_dtype, layout=t.layout,
-            full_pages=self.layout.full_pages, window_pages=self.layout.window_pages,
-            ranks=[RankAgentModel(rank=r, backend=a.backend, name=a.name,
-                                  metadata_b64=base64.b64encode(a.metadata).decode(),
-                                  base_addr=a.base_addr, region_bytes=a.region_bytes)
-                   for r, a in enumerate(self.agents)],
+                num_hidden_layers=m.num_hidden_layers,
+                layer_types=list(m.layer_types),
+                sliding_window=m.sliding_window,
+                num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_key_value_heads,
+                head_dim=m.head_dim,
+                dtype=m.dtype,
+            ),
+            tp_size=t.tp_size,
+            page_size=t.page_size,
+            kv_dtype=t.kv_dtype,
+            layout=t.layout,
+            full_pages=self.layout.full_pages,
+            window_pages=self.layout.window_pages,
+            ranks=[
+                RankAgentModel(
+                    rank=r,
+                    backend=a.backend,
+                    name=a.name,
+                    metadata_b64=base64.b64encode(a.metadata).decode(),
+                    base_addr=a.base_addr,
+                    region_bytes=a.region_bytes,
+                )
+                for r, a in enumerate(self.agents)
+            ],
         )
 
-    def publish(self, request_id: str, seq_len: int, pages: RequestPages,
-                checksums: dict[str, int] | None = None) -> None:
+    def publish(
+        self,
+        request_id: str,
+        seq_len: int,
+        pages: RequestPages,
+        checksums: dict[str, int] | None = None,
+    ) -> None:
         """Hold a request's KV for `lease_s` seconds (until the decode side releases it)."""
         pages.check("src", self.layout, seq_len)
         with self._lock:
-            self._leases[request_id] = _Lease(seq_len, pages, time.monotonic() + self.lease_s,
-                                              checksums)
+            self._leases[request_id] = _Lease(
+                seq_len, pages, time.monotonic() + self.lease_s, checksums
+            )
 
     def lookup(self, request_id: str) -> RequestKVInfo:
         with self._lock:
@@ -148,8 +183,10 @@ class PrefillKVRegistry:
         if lease is None:
             raise LeaseExpiredError(f"request {request_id}: no KV held (unknown or expired)")
         return RequestKVInfo(
-            request_id=request_id, seq_len=lease.seq_len,
-            full_pages=lease.pages.full.tolist(), window_pages=lease.pages.window.tolist(),
+            request_id=request_id,
+            seq_len=lease.seq_len,
+            full_pages=lease.pages.full.tolist(),
+            window_pages=lease.pages.window.tolist(),
             lease_remaining_s=max(0.0, lease.expires - time.monotonic()),
             checksums=lease.checksums,
         )
@@ -179,14 +216,18 @@ def build_handshake_app(registry: PrefillKVRegistry) -> FastAPI:
     def agents() -> KVPeerInfo:
         return registry.peer_info()
 
-    @app.get("/kv/v1/requests/{request_id}", response_model=RequestKVInfo,
-             responses={410: {"model": ErrorBody}})
+    @app.get(
+        "/kv/v1/requests/{request_id}",
+        response_model=RequestKVInfo,
+        responses={410: {"model": ErrorBody}},
+    )
     def request(request_id: str) -> RequestKVInfo | JSONResponse:
         try:
             return registry.lookup(request_id)
         except LeaseExpiredError as exc:
-            return JSONResponse(status_code=410, content={"error": "lease_expired",
-                                                          "detail": str(exc)})
+            return JSONResponse(
+                status_code=410, content={"error": "lease_expired", "detail": str(exc)}
+            )
 
     @app.delete("/kv/v1/requests/{request_id}", status_code=204)
     def release(request_id: str) -> Response:
@@ -220,27 +261,41 @@ class HandshakeServer:
 
 def check_peer(peer: KVPeerInfo, local: PoolLayout, backend: str) -> PoolLayout:
     """Refuse an incompatible prefill peer before any I/O; return its pool layout."""
+
     def refuse(msg: str) -> IncompatiblePeerError:
         return IncompatiblePeerError(f"prefill {peer.engine_id}: {msg}")
 
     if peer.protocol != PROTOCOL:
-        raise refuse(f"protocol: speaks {peer.protocol}, we speak {PROTOCOL}; upgrade the older "
-                     "side so both run the same beamserve release")
+        raise refuse(
+            f"protocol: speaks {peer.protocol}, we speak {PROTOCOL}; upgrade the older "
+            "side so both run the same beamserve release"
+        )
     if peer.backend != backend:
-        raise refuse(f"backend: uses {peer.backend}, decode uses {backend}; configure both "
-                     "pools with the same transfer backend")
+        raise refuse(
+            f"backend: uses {peer.backend}, decode uses {backend}; configure both "
+            "pools with the same transfer backend"
+        )
     if peer.model_fingerprint != local.model.fingerprint():
-        raise refuse("model_fingerprint: the prefill pool serves a different model "
-                     f"({peer.model_fingerprint[:12]} ≠ {local.model.fingerprint()[:12]}); "
-                     "deploy the same checkpoint on both pools")
+        raise refuse(
+            "model_fingerprint: the prefill pool serves a different model "
+            f"({peer.model_fingerprint[:12]} ≠ {local.model.fingerprint()[:12]}); "
+            "deploy the same checkpoint on both pools"
+        )
     if len(peer.ranks) != peer.tp_size:
-        raise refuse(f"ranks: {len(peer.ranks)} agents published for TP {peer.tp_size}; "
-                     "wait until every prefill rank is up")
+        raise refuse(
+            f"ranks: {len(peer.ranks)} agents published for TP {peer.tp_size}; "
+            "wait until every prefill rank is up"
+        )
     try:
-        model = BeamModelConfig(**{**peer.model.model_dump(),
-                                   "layer_types": tuple(peer.model.layer_types)})
-        src = PoolLayout(model, PoolTopology(peer.tp_size, peer.page_size, peer.kv_dtype,
-                                             peer.layout), peer.full_pages, peer.window_pages)
+        model = BeamModelConfig(
+            **{**peer.model.model_dump(), "layer_types": tuple(peer.model.layer_types)}
+        )
+        src = PoolLayout(
+            model,
+            PoolTopology(peer.tp_size, peer.page_size, peer.kv_dtype, peer.layout),
+            peer.full_pages,
+            peer.window_pages,
+        )
         check_pair(src, local)
     except (TransferPlanError, ValueError) as exc:
         raise refuse(str(exc)) from exc
@@ -249,8 +304,10 @@ def check_peer(peer: KVPeerInfo, local: PoolLayout, backend: str) -> PoolLayout:
 
 def ops_for_rank(plan: TransferPlan, dst_rank: int, agents: Sequence[AgentInfo]) -> list[ReadOp]:
     """The reads destination rank `dst_rank` posts: one per source rank it needs."""
-    return [ReadOp(agents[p.src_rank], p.dst_offsets, p.src_offsets, p.lengths)
-            for p in plan.for_dst(dst_rank)]
+    return [
+        ReadOp(agents[p.src_rank], p.dst_offsets, p.src_offsets, p.lengths)
+        for p in plan.for_dst(dst_rank)
+    ]
 
 
 @dataclass(frozen=True)
@@ -279,8 +336,14 @@ class DecodeKVClient:
             self._peers[url] = (info, check_peer(info, self.group.layout, self.group.backend))
         return self._peers[url]
 
-    def pull(self, url: str, request_id: str, dst_pages: RequestPages, deadline_s: float,
-             verify_checksums: bool = False) -> PullResult:
+    def pull(
+        self,
+        url: str,
+        request_id: str,
+        dst_pages: RequestPages,
+        deadline_s: float,
+        verify_checksums: bool = False,
+    ) -> PullResult:
         """Move one request's KV into `dst_pages` of this decode group, or fail typed within
         `deadline_s`. The prefill lease is released in every case."""
         end = time.monotonic() + deadline_s
@@ -288,8 +351,13 @@ class DecodeKVClient:
             info, src = self.peer(url)
             req = RequestKVInfo.model_validate(self._get(url, f"/kv/v1/requests/{request_id}"))
             t0 = time.perf_counter()
-            plan = plan_transfer(src, self.group.layout, req.seq_len,
-                                 RequestPages.of(req.full_pages, req.window_pages), dst_pages)
+            plan = plan_transfer(
+                src,
+                self.group.layout,
+                req.seq_len,
+                RequestPages.of(req.full_pages, req.window_pages),
+                dst_pages,
+            )
             plan_ms = (time.perf_counter() - t0) * 1e3
             agents = [r.to_info() for r in info.ranks]
             ops = {d: ops_for_rank(plan, d, agents) for d in range(self.group.size)}
@@ -312,16 +380,22 @@ class DecodeKVClient:
 
     def _verify(self, req: RequestKVInfo, dst_pages: RequestPages, end: float) -> None:
         if req.checksums is None:
-            raise ChecksumMismatchError(f"request {req.request_id}: prefill published no "
-                                        "checksums; publish with checksums to verify")
+            raise ChecksumMismatchError(
+                f"request {req.request_id}: prefill published no "
+                "checksums; publish with checksums to verify"
+            )
         theirs = req.checksums
-        got = self.group.call_all("checksums", req.seq_len, dst_pages,
-                                  timeout_s=max(1.0, end - time.monotonic()))
-        bad = [k for per_rank in got for (k, v) in per_rank.items()
-               if theirs.get(slice_key(k)) != v]
+        got = self.group.call_all(
+            "checksums", req.seq_len, dst_pages, timeout_s=max(1.0, end - time.monotonic())
+        )
+        bad = [
+            k for per_rank in got for (k, v) in per_rank.items() if theirs.get(slice_key(k)) != v
+        ]
         if bad:
-            raise ChecksumMismatchError(f"request {req.request_id}: {len(bad)} slices differ, "
-                                        f"first (layer, kv, head) = {bad[0]}")
+            raise ChecksumMismatchError(
+                f"request {req.request_id}: {len(bad)} slices differ, "
+                f"first (layer, kv, head) = {bad[0]}"
+            )
 
     def _get(self, url: str, path: str) -> object:
         try:
@@ -345,8 +419,9 @@ def slice_key(key: tuple[int, int, int]) -> str:
     return f"{key[0]}:{key[1]}:{key[2]}"
 
 
-def published_checksums(group: RankGroup, seq_len: int, pages: RequestPages,
-                        timeout_s: float = 600.0) -> dict[str, int]:
+def published_checksums(
+    group: RankGroup, seq_len: int, pages: RequestPages, timeout_s: float = 600.0
+) -> dict[str, int]:
     """Every slice's CRC-32 on the prefill group (replicas agree; any one is kept)."""
     out: dict[str, int] = {}
     for per_rank in group.call_all("checksums", seq_len, pages, timeout_s=timeout_s):

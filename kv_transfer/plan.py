@@ -81,8 +81,9 @@ def bytes_minimum(dst: PoolLayout, seq_len: int) -> int:
     m = dst.model
     heads = dst.topology.tp_size * dst.local_heads
     per_token = 2 * heads * dst.row_bytes
-    return per_token * (len(m.full_layers) * seq_len
-                        + len(m.sliding_layers) * min(seq_len, m.sliding_window))
+    return per_token * (
+        len(m.full_layers) * seq_len + len(m.sliding_layers) * min(seq_len, m.sliding_window)
+    )
 
 
 def check_pair(src: PoolLayout, dst: PoolLayout) -> None:
@@ -112,9 +113,12 @@ def check_pair(src: PoolLayout, dst: PoolLayout) -> None:
     a, b = st.tp_size, dt.tp_size
     if max(a, b) % min(a, b):
         lo, hi = min(a, b), max(a, b)
-        ok = [d for d in range(1, 2 * hi + 1) if (hi % d == 0 or d % hi == 0)
-              and (d % src.model.num_key_value_heads == 0
-                   or src.model.num_key_value_heads % d == 0)]
+        ok = [
+            d
+            for d in range(1, 2 * hi + 1)
+            if (hi % d == 0 or d % hi == 0)
+            and (d % src.model.num_key_value_heads == 0 or src.model.num_key_value_heads % d == 0)
+        ]
         side = "decode" if b == lo else "prefill"
         raise TransferPlanError(
             f"tp_size: {side} TP {lo} does not divide {'prefill' if side == 'decode' else 'decode'}"
@@ -174,8 +178,12 @@ def _groups(
         first = first_window_page(seq_len, m.sliding_window, P)
         logical = np.arange(first, n_pages, dtype=np.int64)
         lo = window_start(seq_len, m.sliding_window)
-        yield (np.array(m.sliding_layers), sp.window, dp.window,
-               _token_spans(logical, lo, seq_len, P))
+        yield (
+            np.array(m.sliding_layers),
+            sp.window,
+            dp.window,
+            _token_spans(logical, lo, seq_len, P),
+        )
 
 
 def _token_spans(logical: IntArray, lo: int, hi: int, P: int) -> _Tokens:
@@ -240,10 +248,18 @@ def _rank_group_descs(
     kv = np.arange(2, dtype=np.int64)
     s_kv = np.array([src.kv_stride(int(layers[0]))], dtype=np.int64) * kv
     d_kv = np.array([dst.kv_stride(int(layers[0]))], dtype=np.int64) * kv
-    s_off = (src.layer_base[layers][:, None, None, None] + s_kv[None, :, None, None]
-             + (spages * src.page_bytes)[None, None, :, None] + src_in[None, None, :, :])
-    d_off = (dst.layer_base[layers][:, None, None, None] + d_kv[None, :, None, None]
-             + (dpages * dst.page_bytes)[None, None, :, None] + dst_in[None, None, :, :])
+    s_off = (
+        src.layer_base[layers][:, None, None, None]
+        + s_kv[None, :, None, None]
+        + (spages * src.page_bytes)[None, None, :, None]
+        + src_in[None, None, :, :]
+    )
+    d_off = (
+        dst.layer_base[layers][:, None, None, None]
+        + d_kv[None, :, None, None]
+        + (dpages * dst.page_bytes)[None, None, :, None]
+        + dst_in[None, None, :, :]
+    )
     shape = s_off.shape
     n_all = np.broadcast_to(nbytes[None, None, :, :], shape).reshape(-1)
     r_all = np.broadcast_to(src_rank[:, :, None, :], shape).reshape(-1)

@@ -119,8 +119,10 @@ class RankGroup:
             for r in range(layout.topology.tp_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
-                    target=_rank_main, args=(child, RankSpec(group, r, layout, backend)),
-                    name=f"{group}-rank{r}", daemon=True,
+                    target=_rank_main,
+                    args=(child, RankSpec(group, r, layout, backend)),
+                    name=f"{group}-rank{r}",
+                    daemon=True,
                 )
                 proc.start()
                 child.close()
@@ -139,8 +141,13 @@ class RankGroup:
     def pids(self) -> list[int]:
         return [int(p.pid) for p in self._procs]
 
-    def call(self, ranks: Sequence[int], cmd: str, args: Callable[[int], tuple[Any, ...]],
-             timeout_s: float) -> list[Any]:
+    def call(
+        self,
+        ranks: Sequence[int],
+        cmd: str,
+        args: Callable[[int], tuple[Any, ...]],
+        timeout_s: float,
+    ) -> list[Any]:
         """Send `cmd` to every rank in `ranks` at once, then collect answers in rank order."""
         for r in ranks:
             self._send(r, cmd, args(r))
@@ -162,8 +169,9 @@ class RankGroup:
     def read(self, ops_by_rank: dict[int, list[ReadOp]], deadline_s: float) -> list[Any]:
         """Each listed rank runs its reads; the group enforces the deadline from outside too."""
         ranks = sorted(ops_by_rank)
-        return self.call(ranks, "read", lambda r: (ops_by_rank[r], deadline_s),
-                         deadline_s + GRACE_S)
+        return self.call(
+            ranks, "read", lambda r: (ops_by_rank[r], deadline_s), deadline_s + GRACE_S
+        )
 
     def kill(self, rank: int) -> None:
         proc = self._procs[rank]

@@ -133,16 +133,21 @@ class PoolLayout:
         """Byte offset of each layer's K buffer; its V buffer follows `kv_stride` later."""
         base = np.zeros(self.model.num_hidden_layers, dtype=np.int64)
         off = 0
-        for group, pages in ((self.model.full_layers, self.full_pages),
-                             (self.model.sliding_layers, self.window_pages)):
+        for group, pages in (
+            (self.model.full_layers, self.full_pages),
+            (self.model.sliding_layers, self.window_pages),
+        ):
             for layer in group:
                 base[layer] = off
                 off += 2 * pages * self.page_bytes
         return base
 
     def kv_stride(self, layer: int) -> int:
-        pages = self.full_pages if self.model.layer_types[layer] == "full_attention" else (
-            self.window_pages)
+        pages = (
+            self.full_pages
+            if self.model.layer_types[layer] == "full_attention"
+            else (self.window_pages)
+        )
         return pages * self.page_bytes
 
     @property
@@ -185,17 +190,24 @@ class RequestPages:
 
     @classmethod
     def of(cls, full: npt.ArrayLike, window: npt.ArrayLike) -> RequestPages:
-        return cls(np.asarray(full, dtype=np.int64).reshape(-1),
-                   np.asarray(window, dtype=np.int64).reshape(-1))
+        return cls(
+            np.asarray(full, dtype=np.int64).reshape(-1),
+            np.asarray(window, dtype=np.int64).reshape(-1),
+        )
 
     def check(self, side: str, layout: PoolLayout, seq_len: int) -> None:
         """Raise `TransferPlanError` unless these tables exactly cover `seq_len` tokens."""
         m, P = layout.model, layout.topology.page_size
         want_full = pages_needed(seq_len, P)
-        want_win = 0 if seq_len == 0 else pages_needed(seq_len, P) - first_window_page(
-            seq_len, m.sliding_window, P)
-        for name, pages, want, limit in (("full", self.full, want_full, layout.full_pages),
-                                         ("window", self.window, want_win, layout.window_pages)):
+        want_win = (
+            0
+            if seq_len == 0
+            else pages_needed(seq_len, P) - first_window_page(seq_len, m.sliding_window, P)
+        )
+        for name, pages, want, limit in (
+            ("full", self.full, want_full, layout.full_pages),
+            ("window", self.window, want_win, layout.window_pages),
+        ):
             if len(pages) != want:
                 raise TransferPlanError(
                     f"{side}_pages.{name}: {len(pages)} pages given, {want} needed for "

@@ -76,7 +76,7 @@ class TransferAgent(ABC):
         self._bytes_read = 0
 
     # -- what a backend implements -------------------------------------------------------------
-    def idle_progress(self) -> None:
+    def idle_progress(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Let the backend make progress while the owning process waits for work."""
 
     @abstractmethod

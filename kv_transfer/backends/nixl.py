@@ -55,10 +55,12 @@ class NixlAgent(TransferAgent):
         region = self._require_region()
         zeros = np.zeros(len(op.lengths), dtype=np.uint64)
         n = op.lengths.astype(np.uint64)
-        local = np.stack([op.local_offsets.astype(np.uint64) + np.uint64(region.ctypes.data),
-                          n, zeros], axis=1)
-        remote = np.stack([op.remote_offsets.astype(np.uint64) + np.uint64(op.peer.base_addr),
-                           n, zeros], axis=1)
+        local = np.stack(
+            [op.local_offsets.astype(np.uint64) + np.uint64(region.ctypes.data), n, zeros], axis=1
+        )
+        remote = np.stack(
+            [op.remote_offsets.astype(np.uint64) + np.uint64(op.peer.base_addr), n, zeros], axis=1
+        )
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
