@@ -215,13 +215,15 @@ def _demo(args: argparse.Namespace) -> int:
     finally:
         rig.close()
     console.print(_results_table("what moved", [r]))
-    console.print(
-        f"moved {r.bytes_moved / 1e9:.2f} GB in {r.descriptors:,} descriptors "
-        f"({(r.bytes_moved == r.bytes_minimum and 'exactly the minimum') or 'NOT the minimum'}) "
-        f"in {r.seconds:.3f} s = {r.gbps:.2f} GB/s (memcpy in the same run: "
-        f"{r.memcpy_gbps:.2f} GB/s); plan {r.plan_ms:.1f} ms; "
-        f"verified byte for byte: {'yes' if r.verified else 'NO'}"
-    )
+    exact = "exactly the minimum" if r.bytes_moved == r.bytes_minimum else "NOT the minimum"
+    for line in (
+        f"moved:    {r.bytes_moved / 1e9:.2f} GB in {r.descriptors:,} descriptors ({exact})",
+        f"speed:    {r.seconds:.3f} s = {r.gbps:.2f} GB/s "
+        f"(memcpy in the same run: {r.memcpy_gbps:.2f} GB/s)",
+        f"plan:     {r.plan_ms:.1f} ms",
+        f"verified: byte for byte: {'yes' if r.verified else 'NO'}",
+    ):
+        console.print(line, soft_wrap=True)
     return 0 if r.verified and r.bytes_moved == r.bytes_minimum else 1
 
 

@@ -1,0 +1,76 @@
+"""The `beamserve` command line, run as a user would (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIELDS = {
+    "backend", "src_tp", "dst_tp", "tokens", "bytes_moved", "bytes_minimum", "descriptors",
+    "plan_ms", "seconds", "gbps", "memcpy_gbps", "verified",
+}
+
+
+def beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BEAMSERVE_LOG_JSON": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "beamserve.cli", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    out = beamserve("--help")
+    assert out.returncode == 0
+    assert "demo" in out.stdout and "bench" in out.stdout
+    kv = beamserve("bench", "kv-transfer", "--help")
+    assert "--tokens" in kv.stdout and "--pairs" in kv.stdout and "--backend" in kv.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["bench", "kv-transfer", "--pairs", "8x4"], "PREFILL_TP:DECODE_TP"),
+        (["bench", "kv-transfer", "--tokens", "0"], "positive integer"),
+        (["bench", "kv-transfer", "--backend", "rdma"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_name_the_flag(args: list[str], needle: str) -> None:
+    out = beamserve(*args)
+    assert out.returncode == 2
+    assert needle in out.stderr
+
+
+@pytest.mark.integration
+def test_bench_kv_transfer_writes_json_and_plot(tmp_path: Path) -> None:
+    out_json = tmp_path / "kv.json"
+    run = beamserve(
+        "bench", "kv-transfer", "--tokens", "100", "700", "--pairs", "2:1", "1:2",
+        "--backend", "nixl", "mooncake", "--json", str(out_json),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 2 * 2 * 2
+    for row in rows:
+        assert FIELDS <= set(row)
+        assert row["bytes_moved"] == row["bytes_minimum"] > 0
+        assert row["verified"] is True
+        assert row["gbps"] > 0 and row["memcpy_gbps"] > 0
+    assert {(r["backend"], r["src_tp"], r["dst_tp"]) for r in rows} == {
+        (b, p, d) for b in ("nixl", "mooncake") for p, d in ((2, 1), (1, 2))
+    }
+    assert out_json.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "goal bytes_moved == bytes_minimum everywhere: met" in run.stdout
+
+
+@pytest.mark.integration
+def test_demo_moves_and_verifies() -> None:
+    run = beamserve("demo", "--tokens", "3000", "--pair", "2:1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "verified: byte for byte: yes" in run.stdout
+    assert "exactly the minimum" in run.stdout
