@@ -11,8 +11,18 @@ from pathlib import Path
 import pytest
 
 FIELDS = {
-    "backend", "src_tp", "dst_tp", "tokens", "bytes_moved", "bytes_minimum", "descriptors",
-    "plan_ms", "seconds", "gbps", "memcpy_gbps", "verified",
+    "backend",
+    "src_tp",
+    "dst_tp",
+    "tokens",
+    "bytes_moved",
+    "bytes_minimum",
+    "descriptors",
+    "plan_ms",
+    "seconds",
+    "gbps",
+    "memcpy_gbps",
+    "verified",
 }
 
 
@@ -20,7 +30,11 @@ def beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[s
     env = {**os.environ, "BEAMSERVE_LOG_JSON": "1"}
     return subprocess.run(
         [sys.executable, "-m", "beamserve.cli", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
     )
 
 
@@ -50,8 +64,19 @@ def test_bad_arguments_name_the_flag(args: list[str], needle: str) -> None:
 def test_bench_kv_transfer_writes_json_and_plot(tmp_path: Path) -> None:
     out_json = tmp_path / "kv.json"
     run = beamserve(
-        "bench", "kv-transfer", "--tokens", "100", "700", "--pairs", "2:1", "1:2",
-        "--backend", "nixl", "mooncake", "--json", str(out_json),
+        "bench",
+        "kv-transfer",
+        "--tokens",
+        "100",
+        "700",
+        "--pairs",
+        "2:1",
+        "1:2",
+        "--backend",
+        "nixl",
+        "mooncake",
+        "--json",
+        str(out_json),
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out_json.read_text())

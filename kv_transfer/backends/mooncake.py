@@ -31,7 +31,7 @@ class MooncakeAgent(TransferAgent):
 
     def __init__(self, name: str, host: str = "127.0.0.1") -> None:
         super().__init__(name)
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", "10")
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", "3")
         from mooncake.engine import TransferEngine
 
         self._engine = TransferEngine()

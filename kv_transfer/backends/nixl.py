@@ -4,16 +4,28 @@ Agents run without NIXL's progress thread: NIXL's thread spins without a delay, 
 spinning prefill ranks starve the readers on a small host. A reader drives progress from
 `poll`; an idle rank calls `idle_progress` between commands, which is all UCX wire-up needs
 from the target side (one-sided reads need nothing from it at all).
+
+A read is posted in chunks (`CHUNK_DESCS`, `CHUNK_BYTES`), the next when the previous is done,
+so that a deadline can interrupt it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from beamserve.kv_transfer.backends.base import U8, AgentInfo, ReadOp, TransferAgent, XferState
 from beamserve.kv_transfer.errors import PeerLostError
+
+# One NIXL transfer covers at most this many descriptors / about this many bytes. On one host
+# UCX copies through CMA inside `transfer()` itself, so a posted transfer cannot be stopped;
+# posting a read a chunk at a time lets `read_all` check its deadline, and cancel, between
+# chunks (a chunk is ~10 ms of copying).
+CHUNK_DESCS = 4096
+CHUNK_BYTES = 64 << 20
 
 
 class NixlAgent(TransferAgent):
@@ -43,7 +55,13 @@ class NixlAgent(TransferAgent):
             self._reg = None
 
     def _connect(self, peer: AgentInfo) -> None:
-        remote = self._agent.add_remote_agent(peer.metadata)
+        try:
+            remote = self._agent.add_remote_agent(peer.metadata)
+        except Exception as exc:  # nixlBackendError: UCX cannot reach the peer's worker
+            raise PeerLostError(
+                f"peer {peer.name}: NIXL could not connect ({exc}); the prefill rank is gone "
+                "or unreachable"
+            ) from exc
         self._remote_names[peer.name] = remote.decode() if isinstance(remote, bytes) else remote
 
     def _disconnect(self, peer: AgentInfo) -> None:
@@ -51,7 +69,7 @@ class NixlAgent(TransferAgent):
         if remote is not None:
             self._agent.remove_remote_agent(remote)
 
-    def _post(self, op: ReadOp) -> Any:
+    def _post(self, op: ReadOp) -> _Job:
         region = self._require_region()
         zeros = np.zeros(len(op.lengths), dtype=np.uint64)
         n = op.lengths.astype(np.uint64)
@@ -61,29 +79,80 @@ class NixlAgent(TransferAgent):
         remote = np.stack(
             [op.remote_offsets.astype(np.uint64) + np.uint64(op.peer.base_addr), n, zeros], axis=1
         )
+        job = _Job(op, local, remote, _chunk_bounds(op.lengths))
+        self._post_chunk(job)
+        return job
+
+    def _post_chunk(self, job: _Job) -> None:
+        """Post the job's next chunk; on failure forget the peer and raise PeerLostError."""
+        peer = job.op.peer.name
+        lo, hi = job.bounds[job.next], job.bounds[job.next + 1]
+        handle = None
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs(local, "DRAM"),
-                self._agent.get_xfer_descs(remote, "DRAM"),
-                self._remote_names[op.peer.name],
+                self._agent.get_xfer_descs(job.local[lo:hi], "DRAM"),
+                self._agent.get_xfer_descs(job.remote[lo:hi], "DRAM"),
+                self._remote_names[peer],
             )
             state = self._agent.transfer(handle)
         except Exception as exc:  # nixlRemoteDisconnectError and friends
-            self.disconnect(op.peer.name)
-            raise PeerLostError(f"peer {op.peer.name}: NIXL refused the read ({exc})") from exc
+            if handle is not None:  # created but never handed out: free it here
+                self._release_handle(handle)
+            self.disconnect(peer)
+            raise PeerLostError(f"peer {peer}: NIXL refused the read ({exc})") from exc
         if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            self.disconnect(op.peer.name)
-            raise PeerLostError(f"peer {op.peer.name}: NIXL failed to post the read")
-        return handle
+            self._release_handle(handle)
+            self.disconnect(peer)
+            raise PeerLostError(f"peer {peer}: NIXL failed to post the read")
+        job.handle, job.next = handle, job.next + 1
 
-    def _poll(self, handle: Any) -> XferState:
+    def _poll(self, handle: _Job) -> XferState:
         try:
-            return XferState(self._agent.check_xfer_state(handle))
+            state = XferState(self._agent.check_xfer_state(handle.handle))
         except Exception:
             return XferState.ERR
+        if state is XferState.DONE and handle.next < len(handle.bounds) - 1:
+            self._release_handle(handle.handle)
+            handle.handle = None
+            try:
+                self._post_chunk(handle)
+            except PeerLostError:
+                return XferState.ERR
+            return XferState.PROC
+        return state
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: _Job) -> None:
+        if handle.handle is not None:
+            self._release_handle(handle.handle)
+            handle.handle = None
+
+    def _release_handle(self, xfer: Any) -> None:
         with contextlib.suppress(Exception):
-            self._agent.release_xfer_handle(handle)
+            self._agent.release_xfer_handle(xfer)
+
+
+@dataclass
+class _Job:
+    """One read, posted to NIXL a chunk at a time (`bounds` delimit the chunks)."""
+
+    op: ReadOp
+    local: npt.NDArray[np.uint64]  # (n, 3) rows: address, length, device id
+    remote: npt.NDArray[np.uint64]
+    bounds: list[int]
+    next: int = 0  # index of the next chunk to post
+    handle: Any = None  # the posted chunk's NIXL transfer handle
+
+
+def _chunk_bounds(lengths: npt.NDArray[np.int64]) -> list[int]:
+    """Split descriptors into runs of at most CHUNK_DESCS descriptors and about CHUNK_BYTES."""
+    n = len(lengths)
+    if n == 0:
+        return [0, 0]
+    ends = np.cumsum(lengths)
+    bounds = [0]
+    while bounds[-1] < n:
+        lo = bounds[-1]
+        by_bytes = int(np.searchsorted(ends, ends[lo] - lengths[lo] + CHUNK_BYTES, side="right"))
+        bounds.append(min(n, lo + CHUNK_DESCS, max(lo + 1, by_bytes)))
+    return bounds
