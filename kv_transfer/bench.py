@@ -197,8 +197,9 @@ def plot(results: Sequence[TransferResult], path: Path) -> None:
                 label=f"TP {pair[0]}→{pair[1]}",
             )
         if rows:
-            ref = sorted((r.tokens, r.memcpy_gbps) for r in rows)
-            ax.plot([p[0] for p in ref], [p[1] for p in ref], "k:", label="memcpy (same run)")
+            sizes = sorted({r.tokens for r in rows})
+            ref = [float(np.median([r.memcpy_gbps for r in rows if r.tokens == n])) for n in sizes]
+            ax.plot(sizes, ref, "k:", label="memcpy, median (same run)")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{backend}: Beam KV pull, prefill→decode")
         ax.set_xlabel("tokens in request")
