@@ -3,7 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+# Scripts, never `python -m …` from here: with the repository root as sys.path[0], a bare
+# interpreter (a fresh venv, before our package is installed) would import ./operator/ in
+# place of the standard library's operator module.
+PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 DEBS := libfabric1
 PYTEST_ARGS ?=
@@ -22,7 +25,6 @@ debs:
 
 $(STAMP): pyproject.toml constraints.txt | debs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# torch first and alone: the CPU wheel that lies on this machine's disk.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[transfer,dev]'
@@ -32,10 +34,10 @@ demo: install
 	$(VENV)/bin/beamserve demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install
-	$(PY) -m pytest -q -p no:cacheprovider --import-mode=importlib -m slow $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m slow $(PYTEST_ARGS)
 
 # mypy reads a regular install (build/lint-site), never the repository folders:
 # `operator/` at the root would shadow the standard library for mypy.

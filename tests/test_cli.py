@@ -29,7 +29,7 @@ FIELDS = {
 def beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BEAMSERVE_LOG_JSON": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "beamserve.cli", *args],
+        [str(Path(sys.executable).parent / "beamserve"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
