@@ -45,7 +45,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	rm -rf build/lint-site && $(PIP) install -q --no-deps --no-build-isolation --target build/lint-site .
-	cd build && MYPYPATH=lint-site ../$(VENV)/bin/mypy -p beamserve.kv_transfer
+	cd build && MYPYPATH=lint-site ../$(VENV)/bin/mypy -p beamserve
 
 bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json

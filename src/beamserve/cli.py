@@ -6,12 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from beamserve import __version__, log
+
+if TYPE_CHECKING:
+    from beamserve.kv_transfer.bench import TransferResult
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -105,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def _results_table(title: str, rows: Sequence[object]) -> Table:
+def _results_table(title: str, rows: Sequence[TransferResult]) -> Table:
     table = Table(title=title)
     for col in (
         "backend",
@@ -126,16 +130,16 @@ def _results_table(title: str, rows: Sequence[object]) -> Table:
         table.add_row(
             r.backend,
             f"{r.src_tp}:{r.dst_tp}",
-            f"{r.tokens:,}",  # type: ignore[attr-defined]
-            f"{r.bytes_moved / 1e6:,.1f}",  # type: ignore[attr-defined]
-            "yes" if r.bytes_moved == r.bytes_minimum else "NO",  # type: ignore[attr-defined]
+            f"{r.tokens:,}",
+            f"{r.bytes_moved / 1e6:,.1f}",
+            "yes" if r.bytes_moved == r.bytes_minimum else "NO",
             f"{r.descriptors:,}",
             f"{r.plan_ms:.1f}",
-            f"{r.seconds:.3f}",  # type: ignore[attr-defined]
+            f"{r.seconds:.3f}",
             f"{r.gbps:.2f}",
-            f"{r.memcpy_gbps:.2f}",  # type: ignore[attr-defined]
-            f"{r.gbps / r.memcpy_gbps:.2f}" if r.memcpy_gbps else "-",  # type: ignore[attr-defined]
-            "yes" if r.verified else "NO",  # type: ignore[attr-defined]
+            f"{r.memcpy_gbps:.2f}",
+            f"{r.gbps / r.memcpy_gbps:.2f}" if r.memcpy_gbps else "-",
+            "yes" if r.verified else "NO",
         )
     return table
 
@@ -171,18 +175,18 @@ def _bench_kv(args: argparse.Namespace) -> int:
     return 0 if all(r.verified and r.bytes_moved == r.bytes_minimum for r in results) else 1
 
 
-def _report_goals(results: Sequence[object]) -> None:
-    big = max(r.tokens for r in results)  # type: ignore[attr-defined]
-    exact = all(r.bytes_moved == r.bytes_minimum for r in results)  # type: ignore[attr-defined]
+def _report_goals(results: Sequence[TransferResult]) -> None:
+    big = max(r.tokens for r in results)
+    exact = all(r.bytes_moved == r.bytes_minimum for r in results)
     console.print(f"goal bytes_moved == bytes_minimum everywhere: {'met' if exact else 'MISSED'}")
     for r in results:
-        if r.backend == "nixl" and (r.src_tp, r.dst_tp) == (8, 4) and r.tokens == big:  # type: ignore[attr-defined]
-            ratio = r.gbps / r.memcpy_gbps  # type: ignore[attr-defined]
+        if r.backend == "nixl" and (r.src_tp, r.dst_tp) == (8, 4) and r.tokens == big:
+            ratio = r.gbps / r.memcpy_gbps
             console.print(
                 f"goal NIXL {big:,} tok 8:4 >= 0.8 x memcpy: ratio {ratio:.2f} "
                 f"({'met' if ratio >= 0.8 else 'MISSED'})"
             )
-    worst = max((r.plan_ms for r in results if r.tokens == big), default=0.0)  # type: ignore[attr-defined]
+    worst = max((r.plan_ms for r in results if r.tokens == big), default=0.0)
     console.print(
         f"goal plan_ms <= 20 at {big:,} tokens: worst {worst:.1f} ms "
         f"({'met' if worst <= 20 else 'MISSED'})"
@@ -196,8 +200,7 @@ def _demo(args: argparse.Namespace) -> int:
     src_tp, dst_tp = args.pair
     model = beam_1_0()
     console.rule(
-        f"[bold]beamserve demo: Beam KV, prefill TP{src_tp} → decode TP{dst_tp} "
-        f"over {args.backend}"
+        f"[bold]beamserve demo: Beam KV, prefill TP{src_tp} → decode TP{dst_tp} over {args.backend}"
     )
     console.print(
         f"model: Beam 1.0 KV shape — {model.num_hidden_layers} layers "
