@@ -18,6 +18,8 @@ SUBPACKAGES = (
     "beamserve.kv_transfer",
     "beamserve.kv_transfer.backends",
     "beamserve.workers",
+    "beamserve.workers.sim",
+    "beamserve.workers.launch",
     "beamserve.router",
     "beamserve.operator",
 )
