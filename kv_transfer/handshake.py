@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -126,7 +127,8 @@ class PrefillKVRegistry:
         self.agents, self.lease_s = list(agents), lease_s
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
-        self.released: list[str] = []
+        # The most recent releases (bounded: a long-running worker must not grow without end).
+        self.released: deque[str] = deque(maxlen=1024)
 
     def peer_info(self) -> KVPeerInfo:
         m, t = self.layout.model, self.layout.topology

@@ -319,7 +319,7 @@ def test_second_request_reuses_connections(pools: Pools) -> None:
         }
         assert got_a == sums_a
         assert ep.registry.held() == []
-        assert ep.registry.released[-2:] == ["req-a", "req-b"]
+        assert list(ep.registry.released)[-2:] == ["req-a", "req-b"]
     finally:
         ep.close()
 
