@@ -8,12 +8,19 @@ PY := $(VENV)/bin/python
 # place of the standard library's operator module.
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+# The real engine parsers, for the launcher's contract tests (tests/workers/test_launch_contract.py):
+# each in its own venv, as their pins conflict with ours and with each other.
+CONTRACT := workers/launch/contract
+SGLANG_VENV := .venv-sglang
+VLLM_VENV := .venv-vllm
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed
 DEBS := libfabric1
 PYTEST_ARGS ?=
 
 .PHONY: install debs demo test test-slow lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
 # Debian packages the code needs: libfabric1 for Mooncake's transfer engine.
 debs:
@@ -27,8 +34,22 @@ $(STAMP): pyproject.toml constraints.txt | debs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and alone: the CPU wheel that lies on this machine's disk.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[transfer,dev]'
+	$(PIP) install -q -c constraints.txt -e '.[transfer,ref,dev]'
 	touch $(STAMP)
+
+# sglang 0.5.23 without its dependencies, plus what its ServerArgs parser imports (≈2.3 GB).
+$(SGLANG_STAMP): $(CONTRACT)/sglang-parser-cpu.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r $(CONTRACT)/sglang-parser-cpu.txt
+	touch $@
+
+# vLLM 0.33.0 and the 56 packages its `serve` parser imports (≈2.1 GB).
+$(VLLM_STAMP): $(CONTRACT)/vllm-parser-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(CONTRACT)/vllm-parser-cpu.txt
+	touch $@
 
 demo: install
 	$(VENV)/bin/beamserve demo
@@ -51,4 +72,4 @@ bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json
 
 clean:
-	rm -rf $(VENV) build bench-results *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build bench-results *.egg-info

@@ -1,0 +1,88 @@
+"""Launcher test specs: a typical P/D pair and a hypothesis strategy of valid specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from beamserve.workers.launch import PoolSpec
+from hypothesis import strategies as st
+
+MODEL = "/models/beam-1.0-nvfp4"
+DRAFT = "/models/beam-1.0-dflash2"
+
+
+def typical(engine: str, role: str, **over: Any) -> PoolSpec:
+    """The pair docs/engines.md shows: NVFP4 Beam, TP 4, fp8 KV, NIXL, events, DFlash2."""
+    doc: dict[str, Any] = {
+        "engine": engine,
+        "role": role,
+        "model": {"path": MODEL, "format": "nvfp4"},
+        "parallel": {"tp_size": 4, "ep_size": 4},
+        "kv_cache": {"page_size": 64, "dtype": "fp8_e4m3"},
+        "transfer": {"backend": "nixl"},
+        "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
+        "speculative": {"draft_model_path": DRAFT, "block_size": 8},
+        "context_length": 262144,
+        "chunked_prefill_size": 16384,
+        "port": 8000,
+    }
+    if role == "prefill":
+        doc["kv_cache"] = {**doc["kv_cache"], "host_cache_gb": 200}
+    doc.update(over)
+    return PoolSpec.parse(doc)
+
+
+@st.composite
+def spec_docs(draw: st.DrawFn, engine: str | None = None) -> dict[str, Any]:
+    """Mappings that `PoolSpec.parse` accepts, over every option that changes the render."""
+    eng = engine or draw(st.sampled_from(["sglang", "vllm"]))
+    tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    dpa = draw(st.sampled_from([d for d in (1, 2, 4, 8) if tp % d == 0]))
+    eps = [1, tp] if eng == "vllm" else [d for d in (1, 2, 4, 8, 16) if tp % d == 0]
+    page = draw(st.sampled_from([16, 32, 64]))
+    doc: dict[str, Any] = {
+        "engine": eng,
+        "role": draw(st.sampled_from(["prefill", "decode", "both"])),
+        "model": {
+            "path": draw(st.sampled_from([MODEL, "/m/beam", "/mnt/ckpt/beam 1.0"])),
+            "format": draw(st.sampled_from(["bf16", "fp8", "nvfp4"])),
+        },
+        "parallel": {"tp_size": tp, "dp_attention": dpa, "ep_size": draw(st.sampled_from(eps))},
+        "kv_cache": {
+            "page_size": page,
+            "dtype": draw(st.sampled_from(["bf16", "fp8_e4m3"])),
+            "host_cache_gb": draw(st.sampled_from([0, 1, 64])),
+            "prefix_caching": draw(st.booleans()),
+        },
+        "transfer": {
+            "backend": draw(st.sampled_from(["nixl", "mooncake"])),
+            "bootstrap_port": draw(st.sampled_from([8998, 9100])),
+            "side_channel_port": draw(st.sampled_from([5600, 5700])),
+            "on_load_failure": draw(st.sampled_from(["recompute", "fail"])),
+        },
+        "metrics": draw(st.booleans()),
+        "parsers": {
+            "reasoning": draw(st.sampled_from(["beam", None])),
+            "tool_call": draw(st.sampled_from(["beam", None])),
+        },
+        "pod_ip_env": draw(st.sampled_from(["POD_IP", "MY_POD_IP"])),
+        "port": draw(st.sampled_from([8000, 30000])),
+    }
+    if eng == "sglang" and draw(st.booleans()):
+        doc["transfer"]["ib_device"] = "mlx5_0,mlx5_1"
+    if draw(st.booleans()):
+        doc["kv_events"] = {
+            "endpoint": "tcp://*:5557",
+            "topic": draw(st.sampled_from(["kv-events", ""])),
+            "replay_endpoint": draw(st.sampled_from([None, "tcp://*:5558"])),
+        }
+    if draw(st.booleans()):
+        doc["speculative"] = {
+            "draft_model_path": DRAFT,
+            "block_size": draw(st.sampled_from([2, 8, 16])),
+        }
+    if draw(st.booleans()):
+        doc["context_length"] = draw(st.sampled_from([8192, 131072, 1048576]))
+    if draw(st.booleans()):
+        doc["chunked_prefill_size"] = page * draw(st.sampled_from([32, 128, 256]))
+    return doc

@@ -1,0 +1,219 @@
+"""`PoolSpec` validation: strict keys and types, engine rules, and messages that name the
+field and the fix."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+from beamserve.workers.launch import PoolSpec, PoolSpecError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+_spec = importlib.util.spec_from_file_location(
+    "launch_specs", Path(__file__).resolve().parent / "launch_specs.py"
+)
+assert _spec is not None and _spec.loader is not None
+launch_specs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launch_specs)
+
+MINIMAL: dict[str, Any] = {"engine": "sglang", "role": "both", "model": {"path": "/m"}}
+
+
+def problems(doc: dict[str, Any]) -> tuple[str, ...]:
+    with pytest.raises(PoolSpecError) as info:
+        PoolSpec.parse(doc)
+    return info.value.problems
+
+
+def with_(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(doc)
+    *parents, last = path.split(".")
+    node = out
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return out
+
+
+def test_minimal_spec_takes_the_documented_defaults() -> None:
+    s = PoolSpec.parse(MINIMAL)
+    assert (s.parallel.tp_size, s.parallel.ep_size, s.parallel.dp_attention) == (1, 1, 1)
+    assert (s.kv_cache.page_size, s.kv_cache.dtype, s.kv_cache.host_cache_gb) == (64, "bf16", 0)
+    assert (s.transfer.backend, s.transfer.bootstrap_port, s.transfer.side_channel_port) == (
+        "nixl",
+        8998,
+        5600,
+    )
+    assert (s.parsers.reasoning, s.parsers.tool_call) == ("beam", "beam")
+    assert s.kv_events is None and s.speculative is None
+    assert (s.host, s.port, s.pod_ip_env, s.metrics) == ("0.0.0.0", 8000, "POD_IP", True)
+
+
+@pytest.mark.parametrize(
+    ("path", "where"),
+    [
+        ("replicas", "replicas: unknown key; valid keys here are ['chunked_prefill_size'"),
+        ("model.revision", "model.revision: unknown key; valid keys here are ['fingerprint'"),
+        ("parallel.pp_size", "parallel.pp_size: unknown key; valid keys here are ['dp_attention'"),
+        ("kv_events.hwm", "kv_events.hwm: unknown key; valid keys here are ['endpoint'"),
+        ("speculative.num_steps", "speculative.num_steps: unknown key; valid keys here are"),
+    ],
+)
+def test_unknown_keys_are_errors_that_list_the_valid_keys(path: str, where: str) -> None:
+    doc = with_(MINIMAL, path, 1)
+    if path.startswith("speculative"):
+        doc["speculative"]["draft_model_path"] = "/d"
+    assert any(line.startswith(where) for line in problems(doc)), problems(doc)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expect"),
+    [
+        ("engine", "tgi", "engine: Input should be 'sglang' or 'vllm'"),
+        ("role", "decoder", "role: Input should be 'prefill', 'decode' or 'both'"),
+        ("model.format", "int4", "model.format: Input should be 'bf16', 'fp8' or 'nvfp4'"),
+        ("parallel.tp_size", "4", "parallel.tp_size: Input should be a valid integer"),
+        ("parallel.tp_size", 0, "parallel.tp_size: Input should be greater than or equal to 1"),
+        ("port", True, "port: Input should be a valid integer"),
+        ("port", 70000, "port: Input should be less than or equal to 65535"),
+        ("kv_cache.page_size", 128, "kv_cache.page_size: Input should be 16, 32 or 64"),
+        ("kv_cache.dtype", "fp8", "kv_cache.dtype: Input should be 'bf16' or 'fp8_e4m3'"),
+        ("transfer.backend", "ucx", "transfer.backend: Input should be 'nixl' or 'mooncake'"),
+        ("parsers.reasoning", "qwen3", "parsers.reasoning: Input should be 'beam'"),
+        ("model.fingerprint", "XYZ", "model.fingerprint: expected 12–64 lowercase hex digits"),
+        ("kv_events.endpoint", "localhost:5557", "kv_events.endpoint: 'localhost:5557' is not"),
+        ("pod_ip_env", "pod-ip", "pod_ip_env: 'pod-ip' is not an environment variable name"),
+    ],
+)
+def test_bad_values_name_the_field(path: str, value: Any, expect: str) -> None:
+    lines = problems(with_(MINIMAL, path, value))
+    assert any(line.startswith(expect) for line in lines), lines
+
+
+def test_missing_required_fields_say_add_it() -> None:
+    lines = problems({"engine": "vllm"})
+    assert "role: required; add it" in lines
+    assert "model: required; add it" in lines
+    spec_lines = problems({**MINIMAL, "speculative": {"block_size": 8}})
+    assert "speculative.draft_model_path: required; add it" in spec_lines
+
+
+@pytest.mark.parametrize(
+    ("engine", "parallel", "expect"),
+    [
+        ("sglang", {"tp_size": 8, "dp_attention": 3}, "choose one of [1, 2, 4, 8]"),
+        ("sglang", {"tp_size": 8, "ep_size": 3}, "parallel.ep_size: 3 does not divide tp_size 8"),
+        ("vllm", {"tp_size": 8, "ep_size": 4}, "set ep_size to 1 or 8"),
+    ],
+)
+def test_parallel_rules_per_engine(engine: str, parallel: dict[str, int], expect: str) -> None:
+    lines = problems({**MINIMAL, "engine": engine, "parallel": parallel})
+    assert any(expect in line for line in lines), lines
+
+
+def test_sglang_allows_ep_smaller_than_tp_vllm_does_not() -> None:
+    doc = {**MINIMAL, "parallel": {"tp_size": 8, "ep_size": 4}}
+    assert PoolSpec.parse(doc).parallel.ep_size == 4
+    with pytest.raises(PoolSpecError):
+        PoolSpec.parse({**doc, "engine": "vllm"})
+
+
+def test_cross_field_rules() -> None:
+    lines = problems({**MINIMAL, "chunked_prefill_size": 1000, "context_length": 32})
+    assert (
+        "chunked_prefill_size: 1000 is not a multiple of kv_cache.page_size 64; round it to 1024"
+        in lines
+    )
+    assert any(line.startswith("context_length: 32 is shorter than one page") for line in lines)
+    port_clash = {**MINIMAL, "role": "prefill", "port": 8998}
+    assert problems(port_clash) == (
+        "transfer.bootstrap_port: port 8998 is already taken by port; pick another",
+    )
+    events_clash = {**MINIMAL, "kv_events": {"endpoint": "tcp://*:8000"}}
+    assert problems(events_clash) == (
+        "kv_events.endpoint: port 8000 is already taken by port; pick another",
+    )
+    ib = {**MINIMAL, "engine": "vllm", "role": "decode", "transfer": {"ib_device": "mlx5_0"}}
+    assert any("set UCX_NET_DEVICES" in line for line in problems(ib))
+
+
+def test_ports_of_unused_transfer_channels_may_overlap() -> None:
+    # a `both` pool opens no bootstrap server or side channel
+    assert PoolSpec.parse({**MINIMAL, "port": 8998}).port == 8998
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    doc = {
+        "engine": "vllm",
+        "role": "prefill",
+        "model": {"path": "/m", "colour": "blue"},
+        "parallel": {"tp_size": "2"},
+        "extra": 1,
+    }
+    lines = problems(doc)
+    assert len(lines) == 3
+    assert {line.split(":")[0] for line in lines} == {"model.colour", "parallel.tp_size", "extra"}
+
+
+def test_spec_is_frozen_and_round_trips() -> None:
+    s = PoolSpec.parse({**MINIMAL, "speculative": {"draft_model_path": "/d"}})
+    with pytest.raises(ValidationError):
+        s.port = 1  # type: ignore[misc]
+    assert PoolSpec.parse(s.model_dump()) == s
+    assert PoolSpec.model_validate_json(s.model_dump_json()) == s
+
+
+@settings(max_examples=150, deadline=None)
+@given(launch_specs.spec_docs())
+def test_generated_valid_specs_parse_and_round_trip(doc: dict[str, Any]) -> None:
+    s = PoolSpec.parse(doc)
+    assert PoolSpec.parse(s.model_dump()) == s
+    assert s.parallel.attention_tp * s.parallel.dp_attention == s.parallel.tp_size
+    assert s.topology().tp_size == s.parallel.attention_tp
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    doc=launch_specs.spec_docs(),
+    where=st.sampled_from(["", "model", "parallel", "kv_cache", "transfer", "parsers"]),
+    key=st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True),
+)
+def test_any_unknown_key_anywhere_is_named(doc: dict[str, Any], where: str, key: str) -> None:
+    node = doc[where] if where else doc
+    if key in node or (not where and key in PoolSpec.model_fields):
+        return
+    node[key] = 0
+    prefix = f"{where}.{key}" if where else key
+    assert any(line.startswith(f"{prefix}: unknown key") for line in problems(doc))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    engine=st.sampled_from(["sglang", "vllm"]),
+    tp=st.integers(1, 64),
+    ep=st.integers(1, 64),
+    dpa=st.integers(1, 64),
+)
+def test_parallel_validity_is_exactly_the_engine_rule(
+    engine: str, tp: int, ep: int, dpa: int
+) -> None:
+    doc = {
+        **MINIMAL,
+        "engine": engine,
+        "parallel": {"tp_size": tp, "ep_size": ep, "dp_attention": dpa},
+    }
+    ok_ep = tp % ep == 0 if engine == "sglang" else ep in (1, tp)
+    should = tp % dpa == 0 and ok_ep
+    try:
+        PoolSpec.parse(doc)
+        valid = True
+    except PoolSpecError as exc:
+        valid = False
+        assert all(line.startswith("parallel.") for line in exc.problems), exc.problems
+        assert all("choose" in line or "set ep_size" in line for line in exc.problems)
+    assert valid == should

@@ -1,0 +1,305 @@
+"""`PoolSpec`: the engine-relevant part of one pool of a `BeamDeployment` (the boundary model).
+
+Strict: unknown keys are errors, strings are not coerced to numbers, and engine-specific
+combinations are checked here, so a spec that validates always renders. `PoolSpec.parse`
+turns pydantic's errors into one `PoolSpecError` whose lines each name the field and the fix.
+
+Parallelism is described once for both engines:
+
+* `tp_size` — GPUs of one engine instance (one pod);
+* `dp_attention` — attention data-parallel groups inside those GPUs (1 = plain TP); the
+  attention (and so KV-head) TP of every group is `tp_size / dp_attention`;
+* `ep_size` — expert-parallel size of the MoE layers (1 = experts tensor-parallel).
+
+SGLang takes these as `--tp-size`, `--attn-dp-size`, `--ep-size`; vLLM as
+`-tp tp_size/dp_attention`, `--data-parallel-size dp_attention`, `--enable-expert-parallel`
+(vLLM's EP size is always TP × DP, so vLLM needs `ep_size` 1 or `tp_size`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from beamserve.kv_transfer.topology import PAGE_SIZES, KVDtype, PoolTopology
+from beamserve.workers.launch.errors import PoolSpecError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Engine = Literal["sglang", "vllm"]
+Role = Literal["prefill", "decode", "both"]
+CheckpointFormat = Literal["bf16", "fp8", "nvfp4"]
+TransferBackend = Literal["nixl", "mooncake"]
+KVDtypeName = Literal["bf16", "fp8_e4m3"]
+PageSize = Literal[16, 32, 64]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
+_FINGERPRINT = re.compile(r"^[0-9a-f]{12,64}$")
+
+assert tuple(PAGE_SIZES) == (16, 32, 64), "PageSize must follow kv_transfer's PAGE_SIZES"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ModelSource(_Strict):
+    """The checkpoint a pool serves."""
+
+    path: Annotated[str, Field(min_length=1)]
+    """Checkpoint directory inside the pod (holds `config.json`)."""
+    format: CheckpointFormat = "bf16"
+    """Weight format: `bf16` (no quantization flag), `fp8`, or `nvfp4` (a ModelOpt NVFP4
+    export)."""
+    fingerprint: str | None = None
+    """`BeamModelConfig.fingerprint()` of the checkpoint (hex, at least 12 digits). When both
+    pools of a pair set it, it decides whether they serve the same model; else `path` does."""
+    served_name: Annotated[str, Field(min_length=1)] = "beam"
+    """The model name clients send (`/v1/models`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSource:
+        if self.fingerprint is not None and not _FINGERPRINT.match(self.fingerprint):
+            raise ValueError(
+                "model.fingerprint: expected 12–64 lowercase hex digits "
+                "(BeamModelConfig.fingerprint()); remove it or copy it from "
+                "`beamserve` output for this checkpoint"
+            )
+        return self
+
+
+class Parallelism(_Strict):
+    tp_size: Annotated[int, Field(ge=1, le=64)] = 1
+    ep_size: Annotated[int, Field(ge=1, le=64)] = 1
+    dp_attention: Annotated[int, Field(ge=1, le=64)] = 1
+
+    @property
+    def attention_tp(self) -> int:
+        """TP size of each attention group: what shards the KV heads."""
+        return self.tp_size // self.dp_attention
+
+
+class KVCacheSpec(_Strict):
+    page_size: PageSize = 64
+    """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`); 64 by default, as
+    smaller pages blow up transfer descriptors (vllm#50913)."""
+    dtype: KVDtypeName = "bf16"
+    host_cache_gb: Annotated[int, Field(ge=0)] = 0
+    """Hierarchical (host-memory) KV cache per GPU rank, in GB (10^9 bytes); 0 = off."""
+    prefix_caching: bool = True
+
+    @property
+    def kv_dtype(self) -> KVDtype:
+        return KVDtype(self.dtype)
+
+
+class TransferSpec(_Strict):
+    """How KV leaves a prefill pool (used by roles `prefill` and `decode` only)."""
+
+    backend: TransferBackend = "nixl"
+    bootstrap_port: Port = 8998
+    """SGLang's bootstrap server (prefill side); vLLM Mooncake's bootstrap server."""
+    side_channel_port: Port = 5600
+    """vLLM NIXL handshake port (`VLLM_NIXL_SIDE_CHANNEL_PORT`); vLLM adds the DP rank."""
+    ib_device: str | None = None
+    """RDMA devices for SGLang (`--disaggregation-ib-device`), e.g. `mlx5_0,mlx5_1`."""
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
+    """vLLM only (`kv_load_failure_policy`): when decode cannot load the prefilled KV,
+    recompute the prefill locally (`recompute`) or fail the request (`fail`)."""
+
+
+class KVEventsSpec(_Strict):
+    """KV-cache events published on ZMQ PUB (DESIGN.md §3)."""
+
+    endpoint: str = "tcp://*:5557"
+    topic: str = "kv-events"
+    replay_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> KVEventsSpec:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not _ZMQ_ENDPOINT.match(value):
+                raise ValueError(
+                    f"kv_events.{name}: {value!r} is not a ZMQ endpoint; write "
+                    "tcp://*:PORT (bind all interfaces) or ipc:///path"
+                )
+        return self
+
+
+class ParserSpec(_Strict):
+    """Beam's output parsers, registered under the name `beam` in both engines."""
+
+    reasoning: Literal["beam"] | None = "beam"
+    tool_call: Literal["beam"] | None = "beam"
+
+
+class SpeculativeSpec(_Strict):
+    """DFlash2 block-parallel drafting with a separate draft checkpoint."""
+
+    method: Literal["dflash2"] = "dflash2"
+    draft_model_path: Annotated[str, Field(min_length=1)]
+    block_size: Annotated[int, Field(ge=2, le=64)] = 8
+    """Verify-window length in tokens: 1 anchor + `block_size - 1` drafted tokens."""
+
+
+class PoolSpec(_Strict):
+    """Everything needed to render one pool's engine command line and environment."""
+
+    engine: Engine
+    role: Role
+    model: ModelSource
+    parallel: Parallelism = Parallelism()
+    kv_cache: KVCacheSpec = KVCacheSpec()
+    transfer: TransferSpec = TransferSpec()
+    kv_events: KVEventsSpec | None = None
+    metrics: bool = True
+    """SGLang `--enable-metrics`; vLLM always serves `/metrics`."""
+    parsers: ParserSpec = ParserSpec()
+    speculative: SpeculativeSpec | None = None
+    context_length: Annotated[int, Field(ge=1)] | None = None
+    chunked_prefill_size: Annotated[int, Field(ge=1)] | None = None
+    host: Annotated[str, Field(min_length=1)] = "0.0.0.0"
+    port: Port = 8000
+    pod_ip_env: str = "POD_IP"
+    """Environment variable that holds the pod IP (Kubernetes downward API,
+    `fieldRef: status.podIP`); rendered as `$(POD_IP)` in the engine environment."""
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role != "both"
+
+    def topology(self) -> PoolTopology:
+        """The KV-side view of this pool for `kv_transfer` (attention TP, page size, dtype)."""
+        return PoolTopology(
+            tp_size=self.parallel.attention_tp,
+            page_size=self.kv_cache.page_size,
+            kv_dtype=self.kv_cache.kv_dtype,
+        )
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolSpec:
+        problems = _engine_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @classmethod
+    def parse(cls, data: Any) -> PoolSpec:
+        """Validate a mapping (parsed YAML/JSON); raise `PoolSpecError` listing every problem."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise PoolSpecError(_explain(cls, exc)) from None
+
+
+def _engine_problems(s: PoolSpec) -> list[str]:
+    out: list[str] = []
+    par = s.parallel
+    if par.tp_size % par.dp_attention:
+        out.append(
+            f"parallel.dp_attention: {par.dp_attention} does not divide tp_size {par.tp_size}; "
+            f"choose one of {_divisors(par.tp_size)}"
+        )
+    if s.engine == "sglang" and par.tp_size % par.ep_size:
+        out.append(
+            f"parallel.ep_size: {par.ep_size} does not divide tp_size {par.tp_size}; "
+            f"choose one of {_divisors(par.tp_size)}"
+        )
+    if s.engine == "vllm" and par.ep_size not in (1, par.tp_size):
+        out.append(
+            f"parallel.ep_size: vLLM's expert parallelism spans all {par.tp_size} GPUs "
+            f"(TP × DP); set ep_size to 1 or {par.tp_size}"
+        )
+    if s.chunked_prefill_size is not None and s.chunked_prefill_size % s.kv_cache.page_size:
+        out.append(
+            f"chunked_prefill_size: {s.chunked_prefill_size} is not a multiple of "
+            f"kv_cache.page_size {s.kv_cache.page_size}; round it to "
+            f"{_round_to(s.chunked_prefill_size, s.kv_cache.page_size)}"
+        )
+    if s.context_length is not None and s.context_length < s.kv_cache.page_size:
+        out.append(
+            f"context_length: {s.context_length} is shorter than one page "
+            f"({s.kv_cache.page_size} tokens); raise it"
+        )
+    if not _ENV_NAME.match(s.pod_ip_env):
+        out.append(
+            f"pod_ip_env: {s.pod_ip_env!r} is not an environment variable name; "
+            "use letters, digits and underscores, e.g. POD_IP"
+        )
+    ports = {"port": s.port}
+    if s.disaggregated:
+        if s.engine == "sglang" and s.role == "prefill":
+            ports["transfer.bootstrap_port"] = s.transfer.bootstrap_port
+        if s.engine == "vllm" and s.transfer.backend == "nixl":
+            ports["transfer.side_channel_port"] = s.transfer.side_channel_port
+        if s.engine == "vllm" and s.transfer.backend == "mooncake":
+            ports["transfer.bootstrap_port"] = s.transfer.bootstrap_port
+    if s.kv_events is not None:
+        for name in ("endpoint", "replay_endpoint"):
+            ep = getattr(s.kv_events, name)
+            if ep is not None and ep.startswith("tcp://"):
+                ports[f"kv_events.{name}"] = int(ep.rsplit(":", 1)[1])
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in seen:
+            out.append(f"{name}: port {port} is already taken by {seen[port]}; pick another")
+        seen[port] = name
+    if s.transfer.ib_device is not None and s.engine == "vllm":
+        out.append(
+            "transfer.ib_device: only SGLang takes RDMA devices on the command line; for "
+            "vLLM remove it and set UCX_NET_DEVICES in the pod"
+        )
+    return out
+
+
+def _explain(cls: type[BaseModel], exc: ValidationError) -> list[str]:
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(cls, err["loc"][:-1])
+            valid = sorted(parent.model_fields) if parent is not None else []
+            lines.append(f"{loc}: unknown key; valid keys here are {valid}")
+        elif kind == "missing":
+            lines.append(f"{loc}: required; add it")
+        elif kind == "value_error":
+            # our own validators: the message already names the field and the fix
+            msg = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+            lines.extend(msg.splitlines())
+        else:
+            got = err.get("input")
+            lines.append(f"{loc}: {err['msg']} (got {got!r})")
+    return lines
+
+
+def _model_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = cls
+    for part in loc:
+        if model is None:
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        model = _model_of(field.annotation)
+    return model
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _round_to(value: int, unit: int) -> int:
+    return max(unit, round(value / unit) * unit)
