@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="throughput plot (PNG); default: next to --json",
     )
+
+    from beamserve.workers.sim import cli as sim_cli  # parser only: loads no simulator
+
+    sim_cli.add_sim_fidelity(bsub)
     return parser
 
 
@@ -106,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args)
     if args.command == "bench" and args.bench == "kv-transfer":
         return _bench_kv(args)
+    if args.command == "bench" and args.bench == "sim-fidelity":
+        from beamserve.workers.sim.cli import sim_fidelity_main
+
+        return sim_fidelity_main(args, console)
     return 2
 
 

@@ -1,0 +1,193 @@
+"""Clocks: the virtual clock's event order, the real clock on asyncio, and the same engine code
+running under both."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+from beamserve.workers.sim import (
+    EngineConfig,
+    RealClock,
+    RequestMetrics,
+    RequestUpdate,
+    SimEngine,
+    SimRequest,
+    VirtualClock,
+)
+from beamserve.workers.sim.fidelity import SCENARIOS, run_scenario
+from beamserve.workers.sim.profiles import GB300_NVFP4_TP4, TINY_CPU
+from beamserve.workers.sim.streaming import stream
+
+
+def test_virtual_clock_runs_timers_in_time_order_ties_in_scheduling_order() -> None:
+    clock = VirtualClock()
+    seen: list[tuple[float, str]] = []
+    clock.call_at(2.0, lambda: seen.append((clock.now(), "b")))
+    clock.call_at(1.0, lambda: seen.append((clock.now(), "a")))
+    clock.call_at(2.0, lambda: seen.append((clock.now(), "c")))
+    assert clock.run() == 3
+    assert seen == [(1.0, "a"), (2.0, "b"), (2.0, "c")]
+    assert clock.now() == 2.0
+
+
+def test_virtual_clock_cancel_until_and_past_times() -> None:
+    clock = VirtualClock()
+    seen: list[str] = []
+    handle = clock.call_at(1.0, lambda: seen.append("cancelled"))
+    clock.call_at(3.0, lambda: seen.append("late"))
+    handle.cancel()
+    assert clock.next_time() == 3.0
+    clock.run(until=2.0)
+    assert seen == [] and clock.now() == 2.0
+    # a timer in the past runs at "now", never moving time backwards
+    clock.call_at(0.5, lambda: seen.append(f"past@{clock.now()}"))
+    clock.run()
+    assert seen == ["past@2.0", "late"]
+    assert clock.now() == 3.0
+
+
+def test_virtual_clock_callbacks_may_schedule_more() -> None:
+    clock = VirtualClock()
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(clock.now())
+        if len(ticks) < 5:
+            clock.call_later(0.25, tick)
+
+    clock.call_at(0.0, tick)
+    clock.run()
+    assert ticks == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_real_clock_fires_on_the_loop_with_speed() -> None:
+    async def main() -> tuple[float, float]:
+        clock = RealClock(speed=100.0)
+        fired = asyncio.get_running_loop().create_future()
+        start = time.perf_counter()
+        clock.call_at(clock.now() + 1.0, lambda: fired.set_result(clock.now()))  # 10 ms wall
+        at = await fired
+        return at, time.perf_counter() - start
+
+    at, wall = asyncio.run(main())
+    assert at >= 1.0
+    assert 0.005 < wall < 1.0
+
+
+def test_real_clock_needs_a_positive_speed() -> None:
+    async def main() -> None:
+        RealClock(speed=0)
+
+    with pytest.raises(ValueError, match="speed"):
+        asyncio.run(main())
+
+
+def _requests() -> list[SimRequest]:
+    shared = list(range(1000, 1000 + 256))
+    return [
+        SimRequest(f"r{i}", token_ids=tuple(shared + [i] * (40 + 30 * i)), max_output_tokens=12)
+        for i in range(6)
+    ]
+
+
+def _run_virtual(config: EngineConfig) -> list[RequestMetrics]:
+    clock = VirtualClock()
+    engine = SimEngine(config, clock)
+    done: list[RequestMetrics] = []
+
+    def keep(u: RequestUpdate) -> None:
+        if u.metrics is not None:
+            done.append(u.metrics)
+
+    for r in _requests():
+        engine.submit(r, keep)
+    clock.run()
+    return sorted(done, key=lambda m: m.request_id)
+
+
+def test_same_engine_code_under_both_clocks() -> None:
+    """The core is clock-agnostic: a real-clock run (time compressed 20×) produces the same
+    tokens, cache hits and finish reasons as the virtual run, at about the same times."""
+    config = EngineConfig.from_profile(TINY_CPU)
+    virtual = _run_virtual(config)
+
+    async def real() -> list[RequestMetrics]:
+        clock = RealClock(speed=20.0)
+        engine = SimEngine(config, clock)
+        out: list[RequestMetrics] = []
+        for r in _requests():
+            async for u in stream(engine, r):
+                if u.metrics is not None:
+                    out.append(u.metrics)
+        return sorted(out, key=lambda m: m.request_id)
+
+    # sequential submissions differ from the virtual batch run: compare with a sequential one
+    clock = VirtualClock()
+    engine = SimEngine(config, clock)
+    sequential: list[RequestMetrics] = []
+
+    def chain(i: int) -> None:
+        def keep(u: RequestUpdate) -> None:
+            if u.metrics is not None:
+                sequential.append(u.metrics)
+                if i + 1 < len(_requests()):
+                    chain(i + 1)
+
+        engine.submit(_requests()[i], keep)
+
+    chain(0)
+    clock.run()
+    realm = asyncio.run(real())
+    assert len(virtual) == len(realm) == len(sequential) == 6
+    for v, r in zip(sorted(sequential, key=lambda m: m.request_id), realm, strict=True):
+        assert (v.request_id, v.output_tokens, v.device_cached_tokens, v.finish_reason) == (
+            r.request_id,
+            r.output_tokens,
+            r.device_cached_tokens,
+            r.finish_reason,
+        )
+        assert r.ttft is not None and v.ttft is not None
+        assert r.ttft == pytest.approx(v.ttft, abs=0.5)  # 25 ms of wall jitter × speed 20
+
+
+def test_streaming_updates_add_up_and_carry_deterministic_tokens() -> None:
+    config = EngineConfig.from_profile(TINY_CPU)
+
+    async def main() -> list[RequestUpdate]:
+        engine = SimEngine(config, RealClock(speed=50.0))
+        return [u async for u in stream(engine, SimRequest("s", prompt_tokens=300))]
+
+    updates = asyncio.run(main())
+    assert updates[-1].finished and updates[-1].finish_reason == "length"
+    tokens = [t for u in updates for t in u.token_ids]
+    assert len(tokens) == 16 == updates[-1].num_output_tokens
+    assert updates[-1].metrics is not None
+    assert updates[-1].metrics.output_tokens == 16
+    again = asyncio.run(main())
+    assert [t for u in again for t in u.token_ids] == tokens
+
+
+def test_closing_a_stream_aborts_the_request() -> None:
+    config = EngineConfig.from_profile(TINY_CPU)
+
+    async def main() -> int:
+        engine = SimEngine(config, RealClock(speed=10.0))
+        gen = stream(engine, SimRequest("gone", prompt_tokens=100, max_output_tokens=500))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        await asyncio.sleep(0.01)
+        return engine.stats().running + engine.stats().waiting
+
+    assert asyncio.run(main()) == 0
+
+
+def test_virtual_replay_runs_far_faster_than_real_time() -> None:
+    """The issue's goal is ≥ 200× (the bench reports it); a shared CI machine gets margin."""
+    sc = dataclasses.replace(SCENARIOS[2], sessions=24)
+    r = run_scenario(GB300_NVFP4_TP4, sc)
+    assert r.sim_seconds > 60
+    assert r.speedup > 100, f"only {r.speedup:.0f}x real time"
