@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import httpx
 import uvicorn
@@ -38,13 +39,34 @@ from beamserve.kv_transfer.errors import (
 )
 from beamserve.kv_transfer.model import BeamModelConfig
 from beamserve.kv_transfer.plan import TransferPlan, check_pair, plan_transfer
-from beamserve.kv_transfer.rank import RankGroup
 from beamserve.kv_transfer.topology import KVDtype, KVLayout, PoolLayout, PoolTopology, RequestPages
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 PROTOCOL = "beamserve-kv/1"
+
+
+class KVShardGroup(Protocol):
+    """A pool's TP shards as the decode side pulls into them: `RankGroup` (one process per
+    rank) or an in-process group such as the ref engine's `ShardedKV`."""
+
+    @property
+    def layout(self) -> PoolLayout: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def read(self, ops_by_rank: dict[int, list[ReadOp]], deadline_s: float) -> list[Any]:
+        """Run each rank's reads concurrently; raise the first failure (typed)."""
+        ...
+
+    def call_all(self, cmd: str, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+        """Run `cmd` (at least `checksums(seq_len, pages)`) on every rank, in rank order."""
+        ...
 
 
 class RankAgentModel(BaseModel):
@@ -324,7 +346,7 @@ class PullResult:
 class DecodeKVClient:
     """Decode side: fetch a prefill peer's metadata and page table, plan, pull, release."""
 
-    def __init__(self, group: RankGroup, http_timeout_s: float = 5.0) -> None:
+    def __init__(self, group: KVShardGroup, http_timeout_s: float = 5.0) -> None:
         self.group = group
         self._http = httpx.Client(timeout=http_timeout_s)
         self._peers: dict[str, tuple[KVPeerInfo, PoolLayout]] = {}
@@ -422,7 +444,7 @@ def slice_key(key: tuple[int, int, int]) -> str:
 
 
 def published_checksums(
-    group: RankGroup, seq_len: int, pages: RequestPages, timeout_s: float = 600.0
+    group: KVShardGroup, seq_len: int, pages: RequestPages, timeout_s: float = 600.0
 ) -> dict[str, int]:
     """Every slice's CRC-32 on the prefill group (replicas agree; any one is kept)."""
     out: dict[str, int] = {}

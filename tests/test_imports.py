@@ -20,6 +20,7 @@ SUBPACKAGES = (
     "beamserve.workers",
     "beamserve.workers.sim",
     "beamserve.workers.launch",
+    "beamserve.workers.ref",
     "beamserve.router",
     "beamserve.operator",
 )

@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     from beamserve.workers.sim import cli as sim_cli  # parser only: loads no simulator
 
     sim_cli.add_sim_fidelity(bsub)
+
+    from beamserve.workers.ref import cli as ref_cli  # parsers only: imports no torch
+
+    model = sub.add_parser("model", help="make model checkpoints (a tiny Beam for CPU runs)")
+    msub = model.add_subparsers(dest="model", required=True, metavar="ACTION")
+    ref_cli.add_make_tiny(msub)
+    check = sub.add_parser("check", help="end-to-end correctness checks")
+    csub = check.add_subparsers(dest="check", required=True, metavar="CHECK")
+    ref_cli.add_check_disagg(csub)
     return parser
 
 
@@ -114,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.workers.sim.cli import sim_fidelity_main
 
         return sim_fidelity_main(args, console)
+    if args.command == "model" and args.model == "make-tiny":
+        from beamserve.workers.ref.cli import make_tiny_main
+
+        return make_tiny_main(args, console)
+    if args.command == "check" and args.check == "disagg":
+        from beamserve.workers.ref.cli import check_disagg_main
+
+        return check_disagg_main(args, console)
     return 2
 
 
