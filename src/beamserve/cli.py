@@ -13,31 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from beamserve import __version__, log
+from beamserve.argtypes import positive_int, tp_pair
 
 if TYPE_CHECKING:
     from beamserve.kv_transfer.bench import TransferResult
 
 console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        p, d = text.split(":")
-        return int(p), int(d)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--pairs: {text!r} is not PREFILL_TP:DECODE_TP (for example 8:4)"
-        ) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "it over NIXL through the HTTP handshake; prints what moved, how fast, and the "
         "byte-for-byte verification.",
     )
-    demo.add_argument("--tokens", type=_positive, default=81920)
-    demo.add_argument("--pair", type=_pair, default=(8, 4), metavar="P:D")
+    demo.add_argument("--tokens", type=positive_int, default=81920)
+    demo.add_argument("--pair", type=tp_pair, default=(8, 4), metavar="P:D")
     demo.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl")
 
     bench = sub.add_parser("bench", help="benchmarks (results as a table, JSON and a plot)")
@@ -71,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         "beside a plain memcpy of the same bytes. Goals: bytes_moved == bytes_minimum; NIXL "
         "at 80K tokens 8:4 >= 0.8 x memcpy_gbps; plan_ms <= 20 at 80K tokens.",
     )
-    kv.add_argument("--tokens", type=_positive, nargs="+", default=[2048, 32768, 81920])
+    kv.add_argument("--tokens", type=positive_int, nargs="+", default=[2048, 32768, 81920])
     kv.add_argument(
         "--pairs",
-        type=_pair,
+        type=tp_pair,
         nargs="+",
         default=[(8, 4), (4, 8), (2, 8), (8, 8), (1, 1)],
         metavar="P:D",

@@ -16,32 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from beamserve.argtypes import positive_int, tp_pair
+
 DEFAULT_PAIRS = "1:1,2:1,1:2,4:2,2:4"
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        try:
-            p, d = (int(x) for x in part.strip().split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{part!r} is not PREFILL_TP:DECODE_TP (for example 2:1)"
-            ) from None
-        if p < 1 or d < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: TP sizes must be ≥ 1")
-        out.append((p, d))
-    return out
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+    return [tp_pair(part) for part in text.split(",")]
 
 
 def add_make_tiny(model_sub: Any) -> None:
@@ -76,9 +57,11 @@ def add_check_disagg(check_sub: Any) -> None:
         help=f"prefill:decode TP pairs (default: {DEFAULT_PAIRS})",
     )
     dis.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl")
-    dis.add_argument("--prompts", type=_count, default=3, help="prompts (default: %(default)s)")
     dis.add_argument(
-        "--tokens", type=_count, default=16, help="tokens per request (default: %(default)s)"
+        "--prompts", type=positive_int, default=3, help="prompts (default: %(default)s)"
+    )
+    dis.add_argument(
+        "--tokens", type=positive_int, default=16, help="tokens per request (default: %(default)s)"
     )
     dis.add_argument(
         "--model", type=Path, default=None, metavar="DIR", help="checkpoint (default: make one)"
