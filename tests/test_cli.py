@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import RunBeamserve
 
 FIELDS = {
     "backend",
@@ -26,19 +27,7 @@ FIELDS = {
 }
 
 
-def beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BEAMSERVE_LOG_JSON": "1"}
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "beamserve"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-
-
-def test_help_lists_the_commands() -> None:
+def test_help_lists_the_commands(beamserve: RunBeamserve) -> None:
     out = beamserve("--help")
     assert out.returncode == 0
     assert "demo" in out.stdout and "bench" in out.stdout
@@ -54,14 +43,14 @@ def test_help_lists_the_commands() -> None:
         (["bench", "kv-transfer", "--backend", "rdma"], "invalid choice"),
     ],
 )
-def test_bad_arguments_name_the_flag(args: list[str], needle: str) -> None:
+def test_bad_arguments_name_the_flag(beamserve: RunBeamserve, args: list[str], needle: str) -> None:
     out = beamserve(*args)
     assert out.returncode == 2
     assert needle in out.stderr
 
 
 @pytest.mark.integration
-def test_bench_kv_transfer_writes_json_and_plot(tmp_path: Path) -> None:
+def test_bench_kv_transfer_writes_json_and_plot(beamserve: RunBeamserve, tmp_path: Path) -> None:
     out_json = tmp_path / "kv.json"
     run = beamserve(
         "bench",
@@ -94,7 +83,7 @@ def test_bench_kv_transfer_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_demo_moves_and_verifies() -> None:
+def test_demo_moves_and_verifies(beamserve: RunBeamserve) -> None:
     run = beamserve("demo", "--tokens", "3000", "--pair", "2:1")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verified: byte for byte: yes" in run.stdout

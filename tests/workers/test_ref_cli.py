@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from beamserve.kv_transfer.model import BeamModelConfig
 
-
-def beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BEAMSERVE_LOG_JSON": "1"}
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "beamserve"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+if TYPE_CHECKING:
+    from conftest import RunBeamserve
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def made(
+    beamserve: RunBeamserve, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("cli") / "tiny"
     return out, beamserve("model", "make-tiny", str(out), "--seed", "2")
 
@@ -50,12 +42,13 @@ def test_make_tiny_writes_a_loadable_checkpoint(
         (["--prompts", "0"], "positive integer"),
     ],
 )
-def test_bad_arguments_name_the_flag(args: list[str], needle: str) -> None:
+def test_bad_arguments_name_the_flag(beamserve: RunBeamserve, args: list[str], needle: str) -> None:
     run = beamserve("check", "disagg", *args)
     assert run.returncode == 2 and needle in run.stderr
 
 
 def test_unservable_pair_is_refused_before_any_process_starts(
+    beamserve: RunBeamserve,
     made: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     run = beamserve("check", "disagg", "--model", str(made[0]), "--tp-pairs", "1:1,3:1")
@@ -65,7 +58,7 @@ def test_unservable_pair_is_refused_before_any_process_starts(
 
 @pytest.mark.integration
 def test_check_disagg_passes_on_a_small_pair_set(
-    made: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+    beamserve: RunBeamserve, made: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     out_json = tmp_path / "check.json"
     run = beamserve(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conftest import RunBeamserve
 
 NAMES = {
     "openhands_c32_total_tok_s_per_gpu",
@@ -17,18 +18,9 @@ NAMES = {
 }
 
 
-def beamserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "beamserve"), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "BEAMSERVE_LOG_JSON": "1"},
-        check=False,
-    )
-
-
-def test_sim_fidelity_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+def test_sim_fidelity_prints_the_table_and_writes_json(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
     out = tmp_path / "fidelity.json"
     run = beamserve("bench", "sim-fidelity", "--json", str(out))
     assert run.returncode == 0, run.stdout + run.stderr
@@ -49,7 +41,7 @@ def test_sim_fidelity_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     assert speed[0]["goal"] == 200
 
 
-def test_sim_fidelity_help() -> None:
+def test_sim_fidelity_help(beamserve: RunBeamserve) -> None:
     run = beamserve("bench", "sim-fidelity", "--help")
     assert run.returncode == 0
     assert "--json" in run.stdout and "0.85-1.15" in run.stdout
