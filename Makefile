@@ -15,14 +15,15 @@ SGLANG_VENV := .venv-sglang
 VLLM_VENV := .venv-vllm
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
-DEBS := libfabric1
+DEBS := libfabric1 redis-server
 PYTEST_ARGS ?=
 
 .PHONY: install debs demo test test-slow lint bench clean
 
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
-# Debian packages the code needs: libfabric1 for Mooncake's transfer engine.
+# Debian packages the code needs: libfabric1 for Mooncake's transfer engine; redis-server for
+# the router's shared-session tests (started by the suite on a free loopback port).
 debs:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -22,6 +22,10 @@ SUBPACKAGES = (
     "beamserve.workers.launch",
     "beamserve.workers.ref",
     "beamserve.router",
+    "beamserve.router.index",
+    "beamserve.router.api",
+    "beamserve.router.policy",
+    "beamserve.router.flow",
     "beamserve.operator",
 )
 

@@ -1,0 +1,1 @@
+"""beamserve.router.flow."""

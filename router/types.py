@@ -1,0 +1,140 @@
+"""The router's shared vocabulary: endpoints, per-worker views, and what a routing step decides.
+
+These frozen dataclasses are the seams between the router's parts: discovery produces
+`Endpoint`s, the prefix index produces `PrefixHit`s, load tracking produces `WorkerLoad`s, the
+policies turn a `RouteRequest` plus `WorkerView`s into a `RouteDecision`. None of them knows
+about HTTP, ZMQ or Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode", "both"]
+EngineKind = Literal["vllm", "sglang", "sim", "ref"]
+HashScheme = Literal["vllm", "sglang"]
+Band = Literal["continuing", "new", "sheddable"]
+BANDS: tuple[Band, ...] = ("continuing", "new", "sheddable")  # highest priority first
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One worker (one engine instance, one TP group) the router can send requests to.
+
+    `id` is stable for the worker's life (the pod name, or `host:port`); `url` is its HTTP base
+    (`http://10.0.0.7:8000`). `kv_events` / `kv_replay` are its ZMQ PUB and ROUTER endpoints
+    (None: the worker publishes no events). `revision` and `kv_layout` gate P/D pairing: a
+    prefill worker and a decode worker pair only when both are equal.
+    """
+
+    id: str
+    url: str
+    role: Role = "both"
+    pool: str = "default"
+    revision: str = ""
+    engine: EngineKind = "sim"
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    kv_layout: str = ""
+    block_size: int = 64
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def hash_scheme(self) -> HashScheme:
+        return "sglang" if self.engine == "sglang" else "vllm"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How much of a request's prompt one worker holds, in blocks of the index's block size.
+
+    `full_blocks`: leading blocks whose full-attention KV is resident (a run from block 0).
+    `window_ok`: the window blocks covering the last `sliding_window` tokens of those
+    `full_blocks` are resident too, so the hit needs no recomputation at all (a *full* hit);
+    otherwise the hit is *partial*: the window tail must be recomputed.
+    `predicted_blocks`: how many of `full_blocks` come only from routing-time predictions
+    (not yet confirmed by the engine's events).
+    """
+
+    full_blocks: int = 0
+    window_ok: bool = False
+    predicted_blocks: int = 0
+
+    @property
+    def kind(self) -> Literal["none", "partial", "full"]:
+        if self.full_blocks == 0:
+            return "none"
+        return "full" if self.window_ok else "partial"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as the router sees it.
+
+    `prefill_tokens` / `decode_tokens`: uncached prompt tokens queued or in prefill, and context
+    tokens of requests in decode, both tracked by the router for requests it sent.
+    `queue_len` / `kv_usage` (fraction 0–1) / `running`: scraped from the engine's `/metrics`,
+    `scraped_age_s` seconds ago (None: never scraped); consumers discount stale scrapes.
+    """
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    in_flight: int = 0
+    queue_len: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    scraped_age_s: float | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """Everything a policy may look at for one candidate worker."""
+
+    endpoint: Endpoint
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    hit: PrefixHit = field(default_factory=PrefixHit)
+    warm: bool = False  # the session's bound worker (session store)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as routing sees it: the prompt's block hashes (index's block size), its
+    length, its session and band."""
+
+    request_id: str
+    prompt_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    session_id: str | None = None
+    turn: int = 0
+    band: Band = "new"
+    max_tokens: int = 256
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """What the router decided for one request.
+
+    `decode`: the worker that answers (and prefills, unless `prefill` is set: then the prompt is
+    prefilled there and its KV moved to `decode`). `expected_hit`: the decode worker's (or the
+    prefill worker's, when disaggregated) hit. `reason`: a short machine-readable cause
+    (`sticky`, `prefix`, `load`, `rebalance`, `no-session`, …); `explain`: human-readable
+    detail for the debug header.
+    """
+
+    decode: Endpoint
+    prefill: Endpoint | None = None
+    expected_hit: PrefixHit = field(default_factory=PrefixHit)
+    reason: str = ""
+    explain: str = ""
+    scores: tuple[tuple[str, float], ...] = ()
