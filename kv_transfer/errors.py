@@ -41,3 +41,8 @@ class ChecksumMismatchError(TransferFailedError):
 
 class LeaseExpiredError(KVTransferError):
     """The prefill side no longer holds the request's KV (lease expired or released)."""
+
+
+class LeaseNotFoundError(LeaseExpiredError):
+    """The prefill side never published this request's KV (yet): the SGLang-style decode leg
+    may arrive before its prefill leg, so a caller may wait and ask again (HTTP 404)."""

@@ -33,6 +33,7 @@ from beamserve.kv_transfer.errors import (
     IncompatiblePeerError,
     KVTransferError,
     LeaseExpiredError,
+    LeaseNotFoundError,
     PeerLostError,
     TransferPlanError,
     TransferTimeoutError,
@@ -119,6 +120,9 @@ class RequestKVInfo(BaseModel):
     window_pages: list[int]
     lease_remaining_s: float
     checksums: dict[str, int] | None = None
+    # Small results the decode side needs besides the KV (SGLang's "aux data"): the first
+    # generated token, so decode continues exactly where prefill stopped.
+    aux: dict[str, int] | None = None
 
 
 class ErrorBody(BaseModel):
@@ -132,6 +136,7 @@ class _Lease:
     pages: RequestPages
     expires: float
     checksums: dict[str, int] | None
+    aux: dict[str, int] | None = None
 
 
 class PrefillKVRegistry:
@@ -151,6 +156,7 @@ class PrefillKVRegistry:
         self._lock = threading.Lock()
         # The most recent releases (bounded: a long-running worker must not grow without end).
         self.released: deque[str] = deque(maxlen=1024)
+        self._ended: dict[str, None] = {}  # insertion-ordered, bounded (see _end)
 
     def peer_info(self) -> KVPeerInfo:
         m, t = self.layout.model, self.layout.topology
@@ -192,20 +198,24 @@ class PrefillKVRegistry:
         seq_len: int,
         pages: RequestPages,
         checksums: dict[str, int] | None = None,
+        aux: dict[str, int] | None = None,
     ) -> None:
         """Hold a request's KV for `lease_s` seconds (until the decode side releases it)."""
         pages.check("src", self.layout, seq_len)
         with self._lock:
             self._leases[request_id] = _Lease(
-                seq_len, pages, time.monotonic() + self.lease_s, checksums
+                seq_len, pages, time.monotonic() + self.lease_s, checksums, aux
             )
+            self._ended.pop(request_id, None)
 
     def lookup(self, request_id: str) -> RequestKVInfo:
         with self._lock:
             self._expire()
             lease = self._leases.get(request_id)
         if lease is None:
-            raise LeaseExpiredError(f"request {request_id}: no KV held (unknown or expired)")
+            if request_id in self._ended:
+                raise LeaseExpiredError(f"request {request_id}: no KV held (expired or released)")
+            raise LeaseNotFoundError(f"request {request_id}: no KV published (yet)")
         return RequestKVInfo(
             request_id=request_id,
             seq_len=lease.seq_len,
@@ -213,6 +223,7 @@ class PrefillKVRegistry:
             window_pages=lease.pages.window.tolist(),
             lease_remaining_s=max(0.0, lease.expires - time.monotonic()),
             checksums=lease.checksums,
+            aux=lease.aux,
         )
 
     def release(self, request_id: str) -> bool:
@@ -220,6 +231,7 @@ class PrefillKVRegistry:
             found = self._leases.pop(request_id, None) is not None
             if found:
                 self.released.append(request_id)
+                self._end(request_id)
             return found
 
     def held(self) -> list[str]:
@@ -231,6 +243,13 @@ class PrefillKVRegistry:
         now = time.monotonic()
         for rid in [r for r, lease in self._leases.items() if lease.expires < now]:
             del self._leases[rid]
+            self._end(rid)
+
+    def _end(self, request_id: str) -> None:
+        """Remember a recent end, so a late lookup says 410 (gone) rather than 404 (not yet)."""
+        self._ended[request_id] = None
+        while len(self._ended) > 4096:
+            self._ended.pop(next(iter(self._ended)))
 
 
 def build_handshake_app(registry: PrefillKVRegistry) -> FastAPI:
@@ -243,11 +262,13 @@ def build_handshake_app(registry: PrefillKVRegistry) -> FastAPI:
     @app.get(
         "/kv/v1/requests/{request_id}",
         response_model=RequestKVInfo,
-        responses={410: {"model": ErrorBody}},
+        responses={404: {"model": ErrorBody}, 410: {"model": ErrorBody}},
     )
     def request(request_id: str) -> RequestKVInfo | JSONResponse:
         try:
             return registry.lookup(request_id)
+        except LeaseNotFoundError as exc:
+            return JSONResponse(status_code=404, content={"error": "not_found", "detail": str(exc)})
         except LeaseExpiredError as exc:
             return JSONResponse(
                 status_code=410, content={"error": "lease_expired", "detail": str(exc)}
@@ -428,6 +449,8 @@ class DecodeKVClient:
             raise PeerLostError(f"prefill {url}: handshake failed ({exc})") from exc
         if resp.status_code == 410:
             raise LeaseExpiredError(resp.json().get("detail", f"{path}: lease expired"))
+        if resp.status_code == 404 and path.startswith("/kv/v1/requests/"):
+            raise LeaseNotFoundError(resp.json().get("detail", f"{path}: not published"))
         if resp.status_code != 200:
             raise KVTransferError(f"prefill {url}{path}: HTTP {resp.status_code}")
         return resp.json()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,3 +28,83 @@ def _run_beamserve(*args: str, timeout: float = 240) -> subprocess.CompletedProc
 @pytest.fixture(scope="session")
 def beamserve() -> RunBeamserve:
     return _run_beamserve
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny Beam checkpoint (`beamserve model make-tiny`) shared by the session."""
+    from beamserve.workers.ref.checkpoint import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+class WorkerProc:
+    """A running `beamserve worker` process and what its ready line said."""
+
+    def __init__(self, args: list[str], ready_timeout_s: float = 120.0) -> None:
+        import json
+        import selectors
+        import time
+
+        self.args = args
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "beamserve"), "worker", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "BEAMSERVE_LOG_JSON": "1"},
+        )
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        end = time.monotonic() + ready_timeout_s
+        line = ""
+        while time.monotonic() < end and self.proc.poll() is None:
+            if sel.select(timeout=0.2):
+                line = self.proc.stdout.readline()
+                if line.startswith("{"):
+                    break
+        sel.close()
+        if not line.startswith("{"):
+            self.kill()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"worker {args} did not become ready:\n{err[-3000:]}")
+        self.info: dict[str, object] = json.loads(line)
+        self.url = str(self.info["url"])
+
+    @property
+    def handshake_port(self) -> int:
+        return int(str(self.info["handshake_url"]).rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+SpawnWorker = Callable[..., WorkerProc]
+
+
+@pytest.fixture
+def spawn_worker() -> Iterator[SpawnWorker]:
+    """`spawn_worker("--engine", "sim", ...)` starts a worker; all are stopped afterwards."""
+    procs: list[WorkerProc] = []
+
+    def spawn(*args: str, ready_timeout_s: float = 120.0) -> WorkerProc:
+        w = WorkerProc(list(args), ready_timeout_s)
+        procs.append(w)
+        return w
+
+    yield spawn
+    for w in procs:
+        w.stop()

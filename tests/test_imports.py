@@ -21,11 +21,13 @@ SUBPACKAGES = (
     "beamserve.workers.sim",
     "beamserve.workers.launch",
     "beamserve.workers.ref",
+    "beamserve.workers.server",
     "beamserve.router",
     "beamserve.router.index",
     "beamserve.router.api",
     "beamserve.router.policy",
     "beamserve.router.flow",
+    "beamserve.router.grpc_api",
     "beamserve.operator",
 )
 

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="end-to-end correctness checks")
     csub = check.add_subparsers(dest="check", required=True, metavar="CHECK")
     ref_cli.add_check_disagg(csub)
+
+    from beamserve.workers.server import cli as worker_cli  # parser only
+
+    worker_cli.add_worker(sub)
     return parser
 
 
@@ -108,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.workers.ref.cli import make_tiny_main
 
         return make_tiny_main(args, console)
+    if args.command == "worker":
+        from beamserve.workers.server.cli import worker_main
+
+        return worker_main(args)
     if args.command == "check" and args.check == "disagg":
         from beamserve.workers.ref.cli import check_disagg_main
 

@@ -28,11 +28,29 @@ from beamserve.workers.ref.corpus import CORPUS
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
 
-# ChatML-like: one `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then the
-# assistant's opening when `add_generation_prompt`.
+# ChatML (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, then the assistant's
+# opening when `add_generation_prompt`); tools are listed in a system turn, an assistant's tool
+# calls follow its text as `<tool_call>{function json}</tool_call>`, list content keeps its text.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n# Tools\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- '<tool_call>' + (call['function'] | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

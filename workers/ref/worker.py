@@ -52,6 +52,18 @@ from beamserve.kv_transfer.topology import (
     first_window_page,
     pages_needed,
 )
+from beamserve.workers.cache_events import (
+    FULL_ATTENTION_KIND,
+    FULL_GROUP,
+    SLIDING_WINDOW_KIND,
+    WINDOW_GROUP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    KVEventSink,
+)
 from beamserve.workers.ref.engine import RefBeam
 from beamserve.workers.ref.prefix_cache import HASH_SOURCE, CachedBlock, PrefixCache, block_hashes
 from beamserve.workers.ref.shards import KVPoolExhaustedError, PagePool, ShardedKV
@@ -164,9 +176,12 @@ class PrefillWorker:
         checksums: bool = True,
         host: str = "127.0.0.1",
         engine: RefBeam | None = None,
+        handshake_port: int = 0,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.engine = engine or RefBeam(model_dir, prefill_chunk=pool.page_size)
-        self.lease_s, self.host = lease_s, host
+        self.lease_s, self.host, self.handshake_port = lease_s, host, handshake_port
+        self.kv_events = kv_events
         self.use_prefix_cache, self.checksums = prefix_cache, checksums
         self._base_id = engine_id or f"ref-prefill-{os.getpid()}"
         self._generation = 0
@@ -181,7 +196,9 @@ class PrefillWorker:
         self.registry = _FaultyRegistry(
             self.engine_id, self.layout, pool.backend, self.shards.infos, self.lease_s
         )
-        self.server = HandshakeServer(build_handshake_app(self.registry), host=self.host)
+        self.server = HandshakeServer(
+            build_handshake_app(self.registry), host=self.host, port=self.handshake_port
+        )
         self.url = self.server.url
         self.cache = PrefixCache()
         self._held: dict[str, RequestPages] = {}
@@ -203,7 +220,11 @@ class PrefillWorker:
 
     # -- serving -------------------------------------------------------------------------------
     def prefill(
-        self, request_id: str, token_ids: list[int], die_after_lookup_s: float | None = None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        die_after_lookup_s: float | None = None,
+        publish: bool = True,
     ) -> PrefillResult:
         """Compute and publish one prompt's KV; the decode side pulls it by `request_id`."""
         t0 = time.perf_counter()
@@ -231,13 +252,13 @@ class PrefillWorker:
             sums = published_checksums(self.shards, n, pages) if self.checksums else None
             if die_after_lookup_s is not None:
                 self.registry.die_after_lookup[request_id] = die_after_lookup_s
-            self.registry.publish(request_id, n, pages, sums)
+            self.registry.publish(request_id, n, pages, sums, {"first_token": out.first_token})
         except BaseException:
             self.shards.free(pages)
             raise
         self._held[request_id] = pages
         if self.use_prefix_cache:
-            self._insert(hashes, pages, n)
+            self._insert(hashes, pages, n, token_ids)
         c = self.counters
         c.requests, c.prompt_tokens, c.cached_tokens = (
             c.requests + 1,
@@ -267,8 +288,9 @@ class PrefillWorker:
         them); returns how many blocks were dropped."""
         dropped = 0
         while (victim := self.cache.pop_lru()) is not None:
-            self._drop(victim[1])
+            self._drop(victim[1], victim[0])
             dropped += 1
+        self._emit(AllBlocksCleared())
         return dropped
 
     def close(self) -> None:
@@ -332,31 +354,75 @@ class PrefillWorker:
                 victim = self.cache.pop_lru()
                 if victim is None:
                     raise
-                self._drop(victim[1])
+                self._drop(victim[1], victim[0])
 
-    def _drop(self, block: CachedBlock) -> None:
+    def _drop(self, block: CachedBlock, block_hash: int | None = None) -> None:
         self.shards.full.decref(np.array([block.full_page], dtype=np.int64))
         if block.window_page is not None:
             self.shards.window.decref(np.array([block.window_page], dtype=np.int64))
+        if block_hash is not None:
+            self._emit(BlockRemoved((block_hash,), FULL_GROUP))
+            if block.window_page is not None:
+                self._emit(BlockRemoved((block_hash,), WINDOW_GROUP))
 
-    def _insert(self, hashes: list[int], pages: RequestPages, n: int) -> None:
+    def _emit(self, *events: KVCacheEvent) -> None:
+        """KV events of the prefix cache (vLLM semantics: blocks of `page_size` tokens, the
+        full-attention group and the window group separately)."""
+        if self.kv_events is not None and events:
+            self.kv_events(KVEventBatch(time.time(), tuple(events)))
+
+    def _stored(
+        self, hashes: list[int], parent: int | None, token_ids: list[int], group: int
+    ) -> BlockStored:
+        P, W = self.pool.page_size, self.layout.model.sliding_window
+        return BlockStored(
+            tuple(hashes),
+            parent,
+            tuple(token_ids),
+            P,
+            group,
+            FULL_ATTENTION_KIND if group == FULL_GROUP else SLIDING_WINDOW_KIND,
+            None if group == FULL_GROUP else W,
+        )
+
+    def _insert(
+        self, hashes: list[int], pages: RequestPages, n: int, token_ids: list[int] | None = None
+    ) -> None:
         """Cache every full block of the prompt: its full page, and its window page when the
         block lies on the request's window pages (whole pages: fully written)."""
         P, W = self.pool.page_size, self.layout.model.sliding_window
         wfirst = first_window_page(n, W, P)
         one = np.zeros(1, dtype=np.int64)
+        new_full: list[int] = []
+        new_window: list[int] = []
         for b, h in enumerate(hashes[: n // P]):
             wp = int(pages.window[b - wfirst]) if b >= wfirst else None
             entry = self.cache.get(h)
             if entry is None:
                 self.cache.put(h, CachedBlock(int(pages.full[b]), wp))
                 self.shards.full.incref(one + pages.full[b])
+                new_full.append(b)
                 if wp is not None:
                     self.shards.window.incref(one + wp)
+                    new_window.append(b)
             elif entry.window_page is None and wp is not None:
                 entry.window_page = wp
                 self.shards.window.incref(one + wp)
+                new_window.append(b)
         self.cache.touch_chain(hashes[: n // P])
+        if self.kv_events is not None and token_ids is not None:
+            self._emit(
+                *(
+                    self._stored(
+                        [hashes[b] for b in blocks],
+                        hashes[blocks[0] - 1] if blocks[0] > 0 else None,
+                        [t for b in blocks for t in token_ids[b * P : (b + 1) * P]],
+                        group,
+                    )
+                    for group, blocks in ((FULL_GROUP, new_full), (WINDOW_GROUP, new_window))
+                    if blocks
+                )
+            )
 
 
 class DecodeWorker:
