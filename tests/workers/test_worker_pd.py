@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
+import zmq
 
 from tests.conftest import SpawnWorker, WorkerProc
 from tests.workers.test_worker_http import LONG_PROMPT, metrics
@@ -157,13 +159,32 @@ def test_ref_disaggregated_equals_colocated_and_survives_mid_transfer_death(
     spawn_worker: SpawnWorker, tiny_checkpoint: Path
 ) -> None:
     ckpt = str(tiny_checkpoint)
-    both = spawn_worker("--engine", "ref", "--model", ckpt)
+    both = spawn_worker(
+        "--engine", "ref", "--model", ckpt, "--kv-events-endpoint", "tcp://127.0.0.1:0"
+    )  # fmt: skip
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(str(both.info["kv_events"]))
+    time.sleep(0.3)
     p = spawn_worker("--engine", "ref", "--role", "prefill", "--model", ckpt, "--tp", "2")
     d = spawn_worker("--engine", "ref", "--role", "decode", "--model", ckpt, "--tp", "1",
                      "--kv-deadline-s", "6")  # fmt: skip
     msgs = [{"role": "user", "content": "Write a function that adds two numbers in Python."}]
     body = {"messages": msgs, "max_tokens": 8, "temperature": 0}
     want = httpx.post(both.url + "/v1/chat/completions", json=body, timeout=120).json()
+    # The prefix cache published its blocks: 16-token pages, both KV lifetimes.
+    groups: dict[int, int] = {}
+    while sub.poll(2000):
+        _topic, _seq, payload = sub.recv_multipart()
+        for ev in msgpack.unpackb(payload, raw=False)[1]:
+            if ev["type"] == "BlockStored":
+                assert ev["block_size"] == 16
+                groups[ev["group_idx"]] = groups.get(ev["group_idx"], 0) + len(ev["block_hashes"])
+    sub.close(0)
+    ctx.term()
+    n = want["usage"]["prompt_tokens"]
+    assert groups[0] == n // 16 and 0 < groups[1] <= groups[0]
     leg = prefill_leg(p, body, "/v1/chat/completions")
     got = httpx.post(
         d.url + "/v1/chat/completions",

@@ -258,6 +258,10 @@ class RefBackend:
             "max_running_requests": 1,
             "handshake_url": self.handshake_url,
             "transfer_backend": self._pool.backend,
+            "kv_events_endpoint": self._publisher.bound_endpoint if self._publisher else None,
+            "kv_replay_endpoint": (
+                self._publisher.bound_replay_endpoint if self._publisher else None
+            ),
         }
 
     def reset_prefix_cache(self) -> int:

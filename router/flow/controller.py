@@ -1,0 +1,453 @@
+"""Flow control: admit requests in priority bands, fairly between tenants, shedding under overload.
+
+`await controller.admit(band, tenant, cost_tokens)` returns a `Ticket` once the request may be
+dispatched; `ticket.release(service_tokens)` (or leaving ``async with ticket:``) returns its
+room. Contract:
+
+* **Priority.** Bands are `beamserve.router.types.BANDS`, highest first: ``continuing`` (the
+  next turn of a running agent session) > ``new`` > ``sheddable``. A queued item of a lower
+  band is never dispatched while a higher band has queued items.
+* **Fairness within a band.** Least attained service (`fairness`): the queued item whose tenant
+  (session or API key) has the least decayed service goes first; a tenant's own items go
+  first-in first-out.
+* **Saturation gate.** While the `SaturationSignal` says saturated, nothing new is dispatched,
+  except into room that in-flight completions free: each ticket released while saturated adds
+  its `cost_tokens` to a *room* budget; the next queued item (in priority order, never
+  reordered) is dispatched when its cost fits in the room, or when room is positive and nothing
+  of this controller is left in flight (else a single large item could wait forever). Room
+  resets to 0 each time saturation begins. Not saturated: dispatch immediately.
+* **Bounded queues.** At most `max_queued` items in all bands together, and at most
+  ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
+  band full is refused. An arrival that finds the total full evicts the **newest** queued item
+  of the lowest non-empty band strictly below its own (the item that has waited least loses
+  least), or, when there is none, is refused. Evicted and refused items get
+  ``Shed(reason="overload")`` (HTTP 429). So, under the default limits, a ``continuing`` turn
+  is never shed for overload while lower-band work is queued.
+* **TTL.** Each queued item leaves the queue after its TTL (`ttl_s` argument, else the band's
+  default, 60 s) with ``Shed(reason="ttl")`` (HTTP 503).
+* **Retry-After.** ``ceil((queued at or above the item's band + 1) / drain rate)`` seconds,
+  clamped to ``[1, retry_after_max_s]``; the drain rate is dispatches per second over the last
+  `drain_window_s` (no dispatch yet: `retry_after_max_s`).
+* **Cancellation.** When the task awaiting `admit` is cancelled (client disconnect), its item
+  leaves the queue; if it had just been dispatched, its ticket is released. Nothing leaks.
+* **Accounting.** Per band: ``submitted == admitted + shed + cancelled + queued`` at all times
+  (`stats`). Gauges for Prometheus come from `stats()`.
+
+Time comes from the injected `clock` (seconds, monotonic); with a fake clock, call `poll()`
+after moving it (TTL expiry is otherwise driven by an event-loop timer on the real clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import structlog
+from beamserve.router.flow.fairness import DEFAULT_HALF_LIFE_S, AttainedService
+from beamserve.router.flow.saturation import (
+    FlowConfigError,
+    SaturationDetector,
+    SaturationSignal,
+    parse_strict,
+)
+from beamserve.router.types import BANDS, Band, WorkerLoad
+from pydantic import BaseModel, ConfigDict, Field
+
+log = structlog.get_logger(__name__)
+
+ShedReason = Literal["ttl", "overload"]
+SHED_REASONS: tuple[ShedReason, ...] = ("ttl", "overload")
+Clock = Callable[[], float]
+
+
+class Shed(Exception):
+    """The request was not admitted. `reason`: ``"ttl"`` (waited too long; HTTP 503) or
+    ``"overload"`` (queue full or evicted by higher-priority work; HTTP 429). Retry after
+    `retry_after_s` seconds (integer ≥ 1, for the `Retry-After` header)."""
+
+    def __init__(self, reason: ShedReason, band: Band, retry_after_s: int, detail: str) -> None:
+        super().__init__(f"shed ({reason}) from band {band!r}: {detail}; retry in {retry_after_s}s")
+        self.reason: ShedReason = reason
+        self.band: Band = band
+        self.retry_after_s = retry_after_s
+        self.detail = detail
+
+    @property
+    def http_status(self) -> int:
+        return 503 if self.reason == "ttl" else 429
+
+
+class FlowConfig(BaseModel):
+    """Flow-control parameters.
+
+    | key | default | meaning |
+    |---|---|---|
+    | `max_queued` | ``5000`` | queued items in all bands together |
+    | `band_max_queued` | ``{}`` | per-band queue limit (missing band: `max_queued`) |
+    | `ttl_s` | ``60`` | default queue TTL (s) |
+    | `band_ttl_s` | ``{}`` | per-band TTL (missing band: `ttl_s`) |
+    | `las_half_life_s` | ``60`` | half-life of attained service (s) |
+    | `retry_after_max_s` | ``60`` | upper bound of Retry-After (s) |
+    | `drain_window_s` | ``30`` | window of the drain-rate estimate (s) |
+
+    Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_queued: int = Field(default=5000, ge=1)
+    band_max_queued: dict[Band, int] = Field(default_factory=dict)
+    ttl_s: float = Field(default=60.0, ge=0)
+    band_ttl_s: dict[Band, float] = Field(default_factory=dict)
+    las_half_life_s: float = Field(default=DEFAULT_HALF_LIFE_S, gt=0)
+    retry_after_max_s: int = Field(default=60, ge=1)
+    drain_window_s: float = Field(default=30.0, gt=0)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
+        return parse_strict(cls, values, "flow")
+
+    def band_limit(self, band: Band) -> int:
+        return self.band_max_queued.get(band, self.max_queued)
+
+    def band_ttl(self, band: Band) -> float:
+        return self.band_ttl_s.get(band, self.ttl_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowStats:
+    """A snapshot of the controller's gauges and counters."""
+
+    queued: dict[Band, int]
+    submitted: dict[Band, int]
+    admitted: dict[Band, int]
+    cancelled: dict[Band, int]
+    shed: dict[tuple[Band, ShedReason], int]
+    in_flight: int
+    in_flight_tokens: int
+    saturated: bool
+    room_tokens: int
+    drain_rate_per_s: float
+
+    def shed_in(self, band: Band) -> int:
+        return sum(n for (b, _), n in self.shed.items() if b == band)
+
+
+_QUEUED, _ADMITTED, _SHED, _CANCELLED = "queued", "admitted", "shed", "cancelled"
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    seq: int
+    band: Band
+    tenant: str
+    cost: int
+    enqueued_at: float
+    deadline: float
+    future: asyncio.Future[Ticket]
+    state: str = _QUEUED
+    ticket: Ticket | None = field(default=None)
+
+
+class Ticket:
+    """Permission to dispatch one request. Release it exactly once when the request ends
+    (repeat calls do nothing); ``async with ticket:`` releases on exit with `cost_tokens` as
+    the service unless `release` was called inside the block."""
+
+    def __init__(
+        self, controller: FlowController, band: Band, tenant: str, cost_tokens: int, waited_s: float
+    ) -> None:
+        self._controller = controller
+        self.band: Band = band
+        self.tenant = tenant
+        self.cost_tokens = cost_tokens
+        self.waited_s = waited_s
+        self.released = False
+
+    def release(self, service_tokens: int | None = None) -> None:
+        """Return this request's room; credit its tenant `service_tokens` (default:
+        `cost_tokens`; see `fairness.service_tokens`)."""
+        if self.released:
+            return
+        self.released = True
+        served = self.cost_tokens if service_tokens is None else service_tokens
+        self._controller._on_release(self, served)
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class FlowController:
+    """Admission queue in front of routing (contract in the module docstring)."""
+
+    def __init__(
+        self,
+        config: FlowConfig | None = None,
+        *,
+        saturation: SaturationSignal | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.config = config or FlowConfig()
+        self.saturation: SaturationSignal = saturation or SaturationDetector()
+        self._clock = clock
+        self._service = AttainedService(self.config.las_half_life_s)
+        self._queues: dict[Band, dict[str, deque[_Item]]] = {b: {} for b in BANDS}
+        self._queued: dict[Band, int] = dict.fromkeys(BANDS, 0)
+        self._submitted: dict[Band, int] = dict.fromkeys(BANDS, 0)
+        self._admitted: dict[Band, int] = dict.fromkeys(BANDS, 0)
+        self._cancelled: dict[Band, int] = dict.fromkeys(BANDS, 0)
+        self._shed: dict[tuple[Band, ShedReason], int] = {
+            (b, r): 0 for b in BANDS for r in SHED_REASONS
+        }
+        self._deadlines: list[tuple[float, int, _Item]] = []
+        self._seq = itertools.count()
+        self._in_flight = 0
+        self._in_flight_tokens = 0
+        self._room = 0
+        self._was_saturated = False
+        self._dispatches: deque[float] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    # --- public --------------------------------------------------------------------------------
+
+    async def admit(
+        self, band: Band, tenant: str, cost_tokens: int, ttl_s: float | None = None
+    ) -> Ticket:
+        """Wait until the request may be dispatched. Raises `Shed` (refused, evicted or expired)
+        and `CancelledError` (caller cancelled; nothing stays queued)."""
+        if band not in BANDS:
+            raise FlowConfigError(f"unknown band {band!r}; valid bands: {', '.join(BANDS)}")
+        if cost_tokens < 0:
+            raise ValueError(f"cost_tokens must be ≥ 0, not {cost_tokens}")
+        self._loop = asyncio.get_running_loop()
+        now = self._clock()
+        ttl = self.config.band_ttl(band) if ttl_s is None else ttl_s
+        item = _Item(
+            seq=next(self._seq),
+            band=band,
+            tenant=tenant,
+            cost=cost_tokens,
+            enqueued_at=now,
+            deadline=now + ttl,
+            future=self._loop.create_future(),
+        )
+        self._submitted[band] += 1
+        self._enqueue(item, now)  # raises Shed when refused
+        self._pump()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            self._on_caller_cancelled(item)
+            raise
+
+    def poll(self) -> None:
+        """Re-evaluate now: expire TTLs and dispatch what the saturation signal allows. Call
+        after a new saturation snapshot, or after moving a fake clock."""
+        self._pump()
+
+    def observe_pool(self, loads: list[WorkerLoad]) -> None:
+        """Feed the built-in `SaturationDetector` a pool snapshot, then `poll`."""
+        if not isinstance(self.saturation, SaturationDetector):
+            raise TypeError("observe_pool needs the built-in SaturationDetector as `saturation`")
+        self.saturation.observe(loads, self._clock())
+        self._pump()
+
+    def retry_after_s(self, band: Band) -> int:
+        """Seconds a client shed from `band` now should wait (see the module docstring)."""
+        ahead = sum(self._queued[b] for b in BANDS[: BANDS.index(band) + 1])
+        rate = self._drain_rate(self._clock())
+        cap = self.config.retry_after_max_s
+        if rate <= 0:
+            return cap
+        return max(1, min(cap, math.ceil((ahead + 1) / rate)))
+
+    def stats(self) -> FlowStats:
+        now = self._clock()
+        return FlowStats(
+            queued=dict(self._queued),
+            submitted=dict(self._submitted),
+            admitted=dict(self._admitted),
+            cancelled=dict(self._cancelled),
+            shed=dict(self._shed),
+            in_flight=self._in_flight,
+            in_flight_tokens=self._in_flight_tokens,
+            saturated=self.saturation.saturated(now),
+            room_tokens=self._room,
+            drain_rate_per_s=self._drain_rate(now),
+        )
+
+    def close(self) -> None:
+        """Stop the TTL timer (queued callers keep waiting until cancelled)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+
+    # --- queue -----------------------------------------------------------------------------------
+
+    def _enqueue(self, item: _Item, now: float) -> None:
+        band = item.band
+        if self._queued[band] >= self.config.band_limit(band):
+            self._refuse(item, f"band {band!r} queue full ({self._queued[band]} queued)")
+        if sum(self._queued.values()) >= self.config.max_queued:
+            victim = self._eviction_victim(below=band)
+            if victim is None:
+                self._refuse(item, f"queue full ({self.config.max_queued} queued)")
+            else:
+                self._drop(victim, _SHED)
+                self._shed_item(victim, "overload", f"evicted by a {band!r} arrival")
+        self._queues[band].setdefault(item.tenant, deque()).append(item)
+        self._queued[band] += 1
+        heapq.heappush(self._deadlines, (item.deadline, item.seq, item))
+
+    def _refuse(self, item: _Item, detail: str) -> None:
+        self._shed[(item.band, "overload")] += 1
+        log.info("flow.shed", band=item.band, tenant=item.tenant, reason="overload", detail=detail)
+        raise Shed("overload", item.band, self.retry_after_s(item.band), detail)
+
+    def _eviction_victim(self, below: Band) -> _Item | None:
+        """The newest queued item of the lowest non-empty band strictly below `below`."""
+        for band in reversed(BANDS[BANDS.index(below) + 1 :]):
+            tails = [q[-1] for q in self._queues[band].values() if q]
+            if tails:
+                return max(tails, key=lambda it: it.seq)
+        return None
+
+    def _drop(self, item: _Item, state: str) -> None:
+        """Take a queued item out of its queue (its deadline entry is skipped lazily)."""
+        queue = self._queues[item.band][item.tenant]
+        queue.remove(item)
+        if not queue:
+            del self._queues[item.band][item.tenant]
+        self._queued[item.band] -= 1
+        item.state = state
+
+    def _shed_item(self, item: _Item, reason: ShedReason, detail: str) -> None:
+        self._shed[(item.band, reason)] += 1
+        log.info("flow.shed", band=item.band, tenant=item.tenant, reason=reason, detail=detail)
+        exc = Shed(reason, item.band, self.retry_after_s(item.band), detail)
+        if not item.future.done():
+            item.future.set_exception(exc)
+
+    def _next_item(self, now: float) -> _Item | None:
+        """Head of the highest non-empty band: least-attained-service tenant, then oldest."""
+        for band in BANDS:
+            tenants = self._queues[band]
+            if tenants:
+                tenant = min(
+                    tenants,
+                    key=lambda t: (self._service.value(t, now), tenants[t][0].seq),
+                )
+                return tenants[tenant][0]
+        return None
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    def _update_saturation(self, now: float) -> bool:
+        saturated = self.saturation.saturated(now)
+        if saturated and not self._was_saturated:
+            self._room = 0  # room is what completions free *during* this saturated spell
+        self._was_saturated = saturated
+        return saturated
+
+    def _pump(self) -> None:
+        now = self._clock()
+        self._expire(now)
+        saturated = self._update_saturation(now)
+        while (item := self._next_item(now)) is not None:
+            if item.future.cancelled():  # caller gone; its handler has not run yet
+                self._drop(item, _CANCELLED)
+                self._cancelled[item.band] += 1
+                continue
+            if saturated:
+                fits = item.cost <= self._room or (self._room > 0 and self._in_flight == 0)
+                if not fits:
+                    break
+                self._room = max(self._room - item.cost, 0)
+            self._dispatch(item, now)
+        self._arm_timer()
+
+    def _dispatch(self, item: _Item, now: float) -> None:
+        self._drop(item, _ADMITTED)
+        ticket = Ticket(self, item.band, item.tenant, item.cost, now - item.enqueued_at)
+        item.ticket = ticket
+        self._admitted[item.band] += 1
+        self._in_flight += 1
+        self._in_flight_tokens += item.cost
+        self._service.charge(item.tenant, item.cost, now)
+        self._dispatches.append(now)
+        item.future.set_result(ticket)
+
+    def _on_release(self, ticket: Ticket, service_tokens: int) -> None:
+        now = self._clock()
+        self._in_flight -= 1
+        self._in_flight_tokens -= ticket.cost_tokens
+        self._service.charge(ticket.tenant, service_tokens - ticket.cost_tokens, now)
+        if self._update_saturation(now):
+            self._room += ticket.cost_tokens
+        self._pump()
+
+    def _on_caller_cancelled(self, item: _Item) -> None:
+        if item.state == _QUEUED:
+            self._drop(item, _CANCELLED)
+            self._cancelled[item.band] += 1
+        elif item.state == _ADMITTED and item.ticket is not None:
+            item.ticket.release(0)  # dispatched, but the caller never got the ticket
+        elif item.future.done() and not item.future.cancelled():
+            item.future.exception()  # shed: mark the exception retrieved
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, item = heapq.heappop(self._deadlines)
+            if item.state != _QUEUED:
+                continue
+            self._drop(item, _SHED)
+            if item.future.cancelled():
+                item.state = _CANCELLED
+                self._cancelled[item.band] += 1
+                continue
+            self._shed_item(item, "ttl", f"waited {now - item.enqueued_at:.1f}s in the queue")
+
+    def _drain_rate(self, now: float) -> float:
+        window = self.config.drain_window_s
+        while self._dispatches and self._dispatches[0] < now - window:
+            self._dispatches.popleft()
+        return len(self._dispatches) / window
+
+    def _arm_timer(self) -> None:
+        """Keep one event-loop timer at the earliest live TTL deadline."""
+        while self._deadlines and self._deadlines[0][2].state != _QUEUED:
+            heapq.heappop(self._deadlines)
+        if self._loop is None or self._loop.is_closed():
+            return
+        deadline = self._deadlines[0][0] if self._deadlines else math.inf
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline < math.inf:
+            delay = max(deadline - self._clock(), 0.0) + 1e-3
+            self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self._pump()

@@ -1,0 +1,144 @@
+"""Policy `sticky-until-saturated` (the default): keep a session on its warm worker until that
+worker is clearly slower than the best alternative; place everything else by estimated TTFT.
+
+Rule, for the candidates left by the filters (default: `healthy`, `role: decode`), with
+``ttft(w)`` the estimate of `beamserve.router.policy.ttft` (queued prefill + this request's
+uncached tokens, a partial hit recomputing its window tail, over the prefill rate)::
+
+    warm worker w₀ among the candidates, best other b = argmin_{w ≠ w₀} ttft(w):
+        leave w₀ for b  iff  ttft(w₀) − ttft(b) > margin_s  AND  ttft(w₀) > margin_ratio · ttft(b)
+                                                        → reason "rebalance"
+        otherwise stay on w₀                             → reason "sticky"
+    no warm worker among the candidates:
+        pick argmin_w ttft(w)  (ties: stable hash of the session/request id)
+                                                        → reason "prefix" when the pick holds more
+                                                          of the prompt than the worst candidate,
+                                                          else "load"
+    no candidates                                       → raises NoCandidates ("no-candidates")
+
+Why both margins: the estimate already prices the warm worker's cache (its uncached tokens are
+few), so the margin is hysteresis against estimation noise and pays for what leaving costs
+later (the next turns lose their warm cache). The absolute margin ignores differences too small
+to matter (0.1 s vs 0.3 s); the ratio ignores differences that are large in seconds but small
+relative to a long prefill (30 s vs 31.5 s). Set ``margin_ratio: 1`` for an absolute-only rule,
+``margin_s: 0`` for a ratio-only rule. The no-warm case is Dynamo's cost rule in seconds
+(``cost = prefill blocks + decode load``), llm-d's "sticky until saturated" for the warm case.
+
+Scores reported in the decision: ``1 / (1 + ttft_s)`` per candidate (1 = instant).
+
+Data: `WorkerView.warm`, `.hit`, `.load`; `RouteRequest.prompt_tokens`, `.session_id`.
+
+| parameter | default | meaning |
+|---|---|---|
+| `margin_s` | ``1.0`` | leave only if warm TTFT − best other's > this (s) |
+| `margin_ratio` | ``1.5`` | … and warm TTFT > this × best other's |
+| `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
+| `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
+| `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
+| `block_size` | ``None`` | index block size (``None``: `Endpoint.block_size`) |
+| `sliding_window` | ``512`` | the model's sliding window |
+| `predicted_credit` | ``1.0`` | share of a predicted hit block that counts |
+
+Config example::
+
+    strategy: sticky-until-saturated
+    filters: [{type: healthy}, {type: role, params: {role: decode}}]
+    params: {margin_s: 1.0, margin_ratio: 1.5, prefill_tok_s: 60000}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from beamserve.router.policy.base import Filter, apply_filters, break_tie
+from beamserve.router.policy.healthy import HealthyFilter
+from beamserve.router.policy.role import RoleFilter
+from beamserve.router.policy.ttft import TTFTEstimate, TTFTParams, estimate_ttft
+from beamserve.router.types import RouteDecision, RouteRequest, WorkerView
+from pydantic import Field
+
+KIND = "sticky-until-saturated"
+
+
+class StickyParams(TTFTParams):
+    margin_s: float = Field(default=1.0, ge=0)
+    margin_ratio: float = Field(default=1.5, ge=1.0)
+
+
+def should_leave_warm(warm_ttft_s: float, best_other_ttft_s: float, params: StickyParams) -> bool:
+    """True iff the warm worker is saturated relative to the best alternative (both margins)."""
+    return (
+        warm_ttft_s - best_other_ttft_s > params.margin_s
+        and warm_ttft_s > params.margin_ratio * best_other_ttft_s
+    )
+
+
+class StickyUntilSaturated:
+    """The default routing policy (rule in the module docstring)."""
+
+    kind: ClassVar[str] = KIND
+
+    def __init__(
+        self,
+        name: str = KIND,
+        filters: Sequence[Filter] | None = None,
+        params: StickyParams | None = None,
+    ) -> None:
+        self.name = name
+        self.filters: tuple[Filter, ...] = (
+            tuple(filters) if filters is not None else (HealthyFilter(), RoleFilter("decode"))
+        )
+        self.params = params or StickyParams()
+
+    def route(self, request: RouteRequest, views: Sequence[WorkerView]) -> RouteDecision:
+        cands = apply_filters(self.filters, request, views)
+        est = {v.endpoint.id: estimate_ttft(v, request, self.params) for v in cands}
+        warm = [v for v in cands if v.warm]
+        if warm:
+            w0 = min(warm, key=lambda v: (est[v.endpoint.id].seconds, v.endpoint.id))
+            others = [v for v in cands if v.endpoint.id != w0.endpoint.id]
+            if not others:
+                chosen, reason = w0, "sticky"
+            else:
+                best = self._cheapest(request, others, est)
+                leave = should_leave_warm(
+                    est[w0.endpoint.id].seconds, est[best.endpoint.id].seconds, self.params
+                )
+                chosen, reason = (best, "rebalance") if leave else (w0, "sticky")
+        else:
+            chosen = self._cheapest(request, cands, est)
+            least_cached = min(e.cached_tokens for e in est.values())
+            reason = "prefix" if est[chosen.endpoint.id].cached_tokens > least_cached else "load"
+        return RouteDecision(
+            decode=chosen.endpoint,
+            expected_hit=chosen.hit,
+            reason=reason,
+            explain=self._explain(chosen, cands, est),
+            scores=tuple(sorted((i, 1.0 / (1.0 + e.seconds)) for i, e in est.items())),
+        )
+
+    @staticmethod
+    def _cheapest(
+        request: RouteRequest, views: Sequence[WorkerView], est: dict[str, TTFTEstimate]
+    ) -> WorkerView:
+        best = min(est[v.endpoint.id].seconds for v in views)
+        tied = [v for v in views if est[v.endpoint.id].seconds <= best + 1e-12]
+        return break_tie(request, tied)
+
+    def _explain(
+        self, chosen: WorkerView, cands: Sequence[WorkerView], est: dict[str, TTFTEstimate]
+    ) -> str:
+        p = self.params
+        parts = [
+            f"policy={self.name} pick={chosen.endpoint.id} "
+            f"margin_s={p.margin_s:g} margin_ratio={p.margin_ratio:g}"
+        ]
+        for v in sorted(cands, key=lambda v: (est[v.endpoint.id].seconds, v.endpoint.id)):
+            e = est[v.endpoint.id]
+            parts.append(
+                f"{v.endpoint.id}{' (warm)' if v.warm else ''} ttft={e.seconds:.3f}s "
+                f"cached={e.cached_tokens:.0f} uncached={e.uncached_tokens:.0f} "
+                f"queued={e.queued_prefill_tokens} decode={e.decode_tokens}"
+            )
+        return " | ".join(parts)

@@ -1,0 +1,145 @@
+"""The default policy `sticky-until-saturated`: stay warm until the TTFT margins are exceeded."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from beamserve.router.policy import (
+    NoCandidates,
+    StickyParams,
+    StickyUntilSaturated,
+    build_policy,
+    estimate_ttft_s,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+_path = Path(__file__).resolve().parent / "_policy_views.py"
+_spec = importlib.util.spec_from_file_location("_policy_views", _path)
+assert _spec is not None and _spec.loader is not None
+_views = sys.modules.setdefault("_policy_views", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(_views)
+view, request = _views.view, _views.request
+
+RATE = 10000.0  # tokens/s: easy seconds
+PARAMS = StickyParams(prefill_tok_s=RATE, decode_interference=0.0, margin_s=1.0, margin_ratio=1.5)
+
+
+def policy() -> StickyUntilSaturated:
+    return StickyUntilSaturated(params=PARAMS)
+
+
+def test_stays_on_warm_worker_within_margin() -> None:
+    # warm: 8192-token prompt fully cached but 15000 queued → 1.5 s; other: cold, idle → 0.8192 s.
+    # Δ = 0.68 s < 1 s margin → sticky.
+    warm = view("a", blocks=128, window_ok=True, prefill=15000, warm=True)
+    other = view("b")
+    d = policy().route(request(8192), [warm, other])
+    assert (d.decode.id, d.reason) == ("a", "sticky")
+    assert d.expected_hit == warm.hit
+
+
+def test_rebalances_when_both_margins_exceeded() -> None:
+    # warm queued 40000 → 4.0 s; others: 0.8192 s (cold) and 0.5 s (half hit) → leaves for c.
+    warm = view("a", blocks=128, window_ok=True, prefill=40000, warm=True)
+    cold = view("b")
+    half = view("c", blocks=64, window_ok=True, prefill=1000)
+    d = policy().route(request(8192), [warm, cold, half])
+    assert (d.decode.id, d.reason) == ("c", "rebalance")
+    assert "a (warm)" in d.explain and "ttft=" in d.explain
+
+
+def test_absolute_margin_alone_does_not_leave_a_long_prefill() -> None:
+    # warm 31.5 s vs other 30 s: Δ 1.5 s > 1 s but ratio 1.05 < 1.5 → sticky.
+    warm = view("a", prefill=315_000, warm=True)
+    other = view("b", prefill=300_000)
+    d = policy().route(request(0), [warm, other])
+    assert d.reason == "sticky"
+
+
+def test_no_warm_worker_prefers_prefix_then_load() -> None:
+    hit = view("a", blocks=100, window_ok=True, prefill=2000)  # 6400 cached → (2000+1792)/1e4
+    cold = view("b")  # 0.8192 s
+    d = policy().route(request(8192), [cold, hit])
+    assert (d.decode.id, d.reason) == ("a", "prefix")
+    busy = view("c", prefill=9000)
+    idle = view("d", prefill=100)
+    d = policy().route(request(8192), [busy, idle])
+    assert (d.decode.id, d.reason) == ("d", "load")
+
+
+def test_partial_hit_is_priced_with_its_window_tail() -> None:
+    # same blocks; a's window tail is evicted (+512 tokens), b has 300 more queued tokens → b.
+    a = view("a", blocks=100, window_ok=False)
+    b = view("b", blocks=100, window_ok=True, prefill=300)
+    assert policy().route(request(8192), [a, b]).decode.id == "b"
+
+
+def test_unhealthy_warm_worker_is_not_used() -> None:
+    warm = view("a", blocks=128, warm=True, healthy=False)
+    d = policy().route(request(8192), [warm, view("b")])
+    assert d.decode.id == "b" and d.reason == "load"
+
+
+def test_no_candidates_raises_with_reason() -> None:
+    with pytest.raises(NoCandidates) as err:
+        policy().route(request(), [view("a", healthy=False)])
+    assert err.value.reason == "no-candidates"
+    assert "healthy" in err.value.explain
+    with pytest.raises(NoCandidates):
+        policy().route(request(), [])
+
+
+def test_default_preset_is_sticky_and_decode_only() -> None:
+    pol = build_policy("sticky-until-saturated")
+    d = pol.route(request(), [view("p", role="prefill"), view("d", role="decode")])
+    assert d.decode.id == "d"
+    assert all(0.0 < s <= 1.0 for _, s in d.scores)
+
+
+worker = st.fixed_dictionaries(
+    {
+        "blocks": st.integers(0, 200),
+        "window_ok": st.booleans(),
+        "prefill": st.integers(0, 200_000),
+        "decode": st.integers(0, 2_000_000),
+    }
+)
+
+
+@given(
+    warm=worker,
+    others=st.lists(worker, min_size=1, max_size=5),
+    prompt=st.integers(1, 16384),
+    margin_s=st.floats(0, 5),
+    margin_ratio=st.floats(1, 3),
+)
+def test_sticky_leaves_iff_margins_exceeded(
+    warm: dict[str, int],
+    others: list[dict[str, int]],
+    prompt: int,
+    margin_s: float,
+    margin_ratio: float,
+) -> None:
+    params = StickyParams(prefill_tok_s=RATE, margin_s=margin_s, margin_ratio=margin_ratio)
+    pol = StickyUntilSaturated(params=params)
+    views = [view("warm", warm=True, **warm)]  # type: ignore[arg-type]
+    views += [view(f"o{i}", **o) for i, o in enumerate(others)]  # type: ignore[arg-type]
+    req = request(prompt)
+
+    def ttft(v: object) -> float:
+        return estimate_ttft_s(v, req, prefill_tok_s=RATE)  # type: ignore[arg-type]
+
+    t_warm = ttft(views[0])
+    t_best = min(ttft(v) for v in views[1:])
+    exceeded = t_warm - t_best > margin_s and t_warm > margin_ratio * t_best
+    d = pol.route(req, views)
+    if exceeded:
+        assert d.decode.id != "warm" and d.reason == "rebalance"
+        assert ttft(next(v for v in views if v.endpoint.id == d.decode.id)) == t_best
+    else:
+        assert d.decode.id == "warm" and d.reason == "sticky"
+    assert pol.route(req, list(reversed(views))).decode.id == d.decode.id  # deterministic
