@@ -39,16 +39,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class WorkerProc:
-    """A running `beamserve worker` process and what its ready line said."""
+    """A running `beamserve worker` (or `router`) process and what its ready line said."""
 
-    def __init__(self, args: list[str], ready_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, args: list[str], ready_timeout_s: float = 120.0, command: str = "worker"
+    ) -> None:
         import json
         import selectors
         import time
 
         self.args = args
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "beamserve"), "worker", "--port", "0", *args],
+            [str(Path(sys.executable).parent / "beamserve"), command, "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -68,7 +70,7 @@ class WorkerProc:
         if not line.startswith("{"):
             self.kill()
             err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"worker {args} did not become ready:\n{err[-3000:]}")
+            raise RuntimeError(f"{command} {args} did not become ready:\n{err[-3000:]}")
         self.info: dict[str, object] = json.loads(line)
         self.url = str(self.info["url"])
 
@@ -100,8 +102,8 @@ def spawn_worker() -> Iterator[SpawnWorker]:
     """`spawn_worker("--engine", "sim", ...)` starts a worker; all are stopped afterwards."""
     procs: list[WorkerProc] = []
 
-    def spawn(*args: str, ready_timeout_s: float = 120.0) -> WorkerProc:
-        w = WorkerProc(list(args), ready_timeout_s)
+    def spawn(*args: str, ready_timeout_s: float = 120.0, command: str = "worker") -> WorkerProc:
+        w = WorkerProc(list(args), ready_timeout_s, command)
         procs.append(w)
         return w
 

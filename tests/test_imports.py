@@ -28,6 +28,7 @@ SUBPACKAGES = (
     "beamserve.router.policy",
     "beamserve.router.flow",
     "beamserve.router.grpc_api",
+    "beamserve.router.bench",
     "beamserve.operator",
 )
 

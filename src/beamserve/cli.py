@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_cli.add_sim_fidelity(bsub)
 
+    from beamserve.router.bench import cli as route_bench_cli  # parsers only
+
+    route_bench_cli.add_bench_route(bsub)
+    route_bench_cli.add_bench_route_overhead(bsub)
+
     from beamserve.workers.ref import cli as ref_cli  # parsers only: imports no torch
 
     model = sub.add_parser("model", help="make model checkpoints (a tiny Beam for CPU runs)")
@@ -94,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     from beamserve.workers.server import cli as worker_cli  # parser only
 
     worker_cli.add_worker(sub)
+
+    from beamserve.router import cli as router_cli  # parser only
+
+    router_cli.add_router(sub)
     return parser
 
 
@@ -112,6 +121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.workers.ref.cli import make_tiny_main
 
         return make_tiny_main(args, console)
+    if args.command == "bench" and args.bench == "route":
+        from beamserve.router.bench.cli import route_main
+
+        return route_main(args, console)
+    if args.command == "bench" and args.bench == "route-overhead":
+        from beamserve.router.bench.cli import route_overhead_main
+
+        return route_overhead_main(args, console)
+    if args.command == "router":
+        from beamserve.router.cli import router_main
+
+        return router_main(args)
     if args.command == "worker":
         from beamserve.workers.server.cli import worker_main
 

@@ -236,11 +236,14 @@ class DecodeSlots:
     def _make_room(self, step: int) -> None:
         live = self.joined[self.active]
         keep_from = int(live.min()) if live.size else step
+        # A slot may have joined after the last logged row (a prefill-only step came right
+        # before the log filled): keep at most the logged rows, never a negative count.
+        keep_from = min(keep_from, self.base + self.rows)
         drop = keep_from - self.base
         kept = self.rows - drop
         rows = len(self.ends)
-        if kept + 1 > rows // 2:
-            rows *= 2
+        if kept + 1 > rows // 2 or step - keep_from + 1 > rows:
+            rows = max(rows * 2, step - keep_from + 1)
         log = np.zeros((rows, self.capacity), dtype=np.int16)
         ends = np.zeros(rows, dtype=np.float64)
         log[:kept] = self.log[drop : self.rows]

@@ -1,0 +1,514 @@
+"""The router's HTTP front door: what agent harnesses talk to.
+
+One request, end to end (`Router.handle`):
+
+1. body size limit, API key (bearer; per-key token-bucket rate limit and priority class),
+   validation in the API's own error shape (`router.api`);
+2. the worker call (`to_upstream`), the session id (headers, else a hash of the conversation's
+   opening), the prompt's token ids and block hashes (`PromptHasher`: precise or approximate);
+3. flow control: band = `sheddable` (key class or `x-beamserve-priority: sheddable`),
+   `continuing` (a live session: the store has it, or the request carries earlier turns), or
+   `new`; `FlowController.admit` queues, gates on pool saturation, sheds with 429/503 and
+   `Retry-After`; a client that disconnects while queued leaves the queue;
+4. the routing step (`RoutingCore.decide`: prefix index, load, breaker health, the session's
+   warm worker from the session store; policy; conditional disaggregation);
+5. P/D orchestration (`router.pd`) — vLLM's two legs or SGLang's concurrent legs; a failed
+   prefill leg is retried on another prefill worker or prefilled on the decode worker; failures
+   before the first byte are retried on another worker; after it, the stream ends with an error
+   event in the client API's format;
+6. the answer translated into the client's API (JSON or SSE), the session bound to its worker,
+   load and flow tickets released; a client disconnect closes the upstream stream (the worker
+   aborts the request).
+
+Debug header `x-beamserve-route` explains each decision (reason, workers, expected hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import structlog
+from beamserve.router.api import errors as api_errors
+from beamserve.router.api.convert import (
+    UpstreamCall,
+    model_list,
+    to_anthropic_message,
+    to_responses_object,
+    to_upstream,
+    with_model,
+)
+from beamserve.router.api.errors import APIError
+from beamserve.router.api.models import ApiName, ParsedRequest, parse_request
+from beamserve.router.api.session import is_continuing_turn, session_id_from
+from beamserve.router.api.sse import UpstreamStreamError, translator_for
+from beamserve.router.core import RoutingCore
+from beamserve.router.flow import FlowController, Shed, Ticket
+from beamserve.router.load import Flight
+from beamserve.router.metrics import RouterMetrics
+from beamserve.router.pd import UpstreamError, Upstreams
+from beamserve.router.policy import NoCandidates
+from beamserve.router.prompt import PromptHasher
+from beamserve.router.sessions import SessionStore
+from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+PRIORITY_HEADER = "x-beamserve-priority"
+ROUTE_HEADER = "x-beamserve-route"
+SESSION_HEADER = "x-beamserve-session"
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """One API key: its tenant, priority class and rate limit (requests/s with a burst)."""
+
+    tenant: str
+    priority: Band = "new"
+    rate_per_s: float | None = None
+    burst: int = 10
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class RouterSettings:
+    """`served_models`: names accepted in `model` (empty: any). `api_keys`: bearer key → policy
+    (empty: no authentication). `max_body_bytes`: larger bodies get 413. `max_retries`: retries
+    on other workers before the first byte. `debug_header`: send `x-beamserve-route`."""
+
+    served_models: tuple[str, ...] = ("beam",)
+    api_keys: dict[str, KeyPolicy] = field(default_factory=dict)
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_retries: int = 2
+    debug_header: bool = True
+    default_max_tokens: int = 4096
+
+
+class Router:
+    """The front door's state; `build_router_app(router)` serves it."""
+
+    def __init__(
+        self,
+        core: RoutingCore,
+        endpoints: Callable[[], list[Endpoint]],
+        sessions: SessionStore,
+        flow: FlowController,
+        upstreams: Upstreams,
+        hasher: PromptHasher,
+        settings: RouterSettings | None = None,
+        kv_event_totals: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        self.core, self.endpoints, self.sessions, self.flow = core, endpoints, sessions, flow
+        self.upstreams, self.hasher = upstreams, hasher
+        self.settings = settings or RouterSettings()
+        self._buckets: dict[str, _Bucket] = {}
+        self._kv_totals = kv_event_totals or dict
+        self._in_flight = 0
+        self.metrics = RouterMetrics(self._live)
+
+    # --- metrics ---------------------------------------------------------------------------------
+    def _live(self) -> dict[str, Any]:
+        stats = self.flow.stats()
+        workers: dict[str, dict[str, float]] = {
+            "worker_in_flight": {},
+            "worker_prefill_tokens": {},
+            "worker_decode_tokens": {},
+            "worker_breaker_open": {},
+        }
+        for e in self.endpoints():
+            ld = self.core.loads.load(e.id)
+            workers["worker_in_flight"][e.id] = ld.in_flight
+            workers["worker_prefill_tokens"][e.id] = ld.prefill_tokens
+            workers["worker_decode_tokens"][e.id] = ld.decode_tokens
+            workers["worker_breaker_open"][e.id] = float(not ld.healthy)
+        return {
+            "queue_depth": dict(stats.queued),
+            "in_flight": self._in_flight,
+            "workers": workers,
+            "session_degraded": bool(self.sessions.health().get("degraded", False)),
+            "shed": dict(stats.shed),
+            "kv_events": self._kv_totals(),
+        }
+
+    # --- admission -------------------------------------------------------------------------------
+    def _authenticate(self, request: Request, dialect: api_errors.ErrorDialect) -> KeyPolicy:
+        keys = self.settings.api_keys
+        if not keys:
+            return KeyPolicy(tenant="anonymous")
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = key or request.headers.get("x-api-key", "")
+        policy = keys.get(key)
+        if policy is None:
+            raise api_errors.unauthorized(api=dialect)
+        if policy.rate_per_s is not None:
+            now = time.monotonic()
+            b = self._buckets.get(key) or _Bucket(float(policy.burst), now)
+            b.tokens = min(float(policy.burst), b.tokens + (now - b.at) * policy.rate_per_s)
+            b.at = now
+            self._buckets[key] = b
+            if b.tokens < 1.0:
+                raise api_errors.rate_limited((1.0 - b.tokens) / policy.rate_per_s, api=dialect)
+            b.tokens -= 1.0
+        return policy
+
+    async def _read_body(self, request: Request, dialect: api_errors.ErrorDialect) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise api_errors.too_large(limit, int(declared), api=dialect)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise api_errors.too_large(limit, size, api=dialect)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # --- one request -----------------------------------------------------------------------------
+    async def handle(self, api: ApiName, request: Request) -> Response:
+        dialect: api_errors.ErrorDialect = "anthropic" if api == "messages" else "openai"
+        try:
+            response = await self._handle(api, dialect, request)
+        except APIError as err:
+            response = _error_response(err.for_api(dialect))
+        except Exception as exc:  # never a bare 500 with a stack trace
+            log.exception("router.internal_error", api=api)
+            response = _error_response(api_errors.upstream_failed(str(exc), api=dialect))
+        self.metrics.requests.labels(api, str(response.status_code)).inc()
+        return response
+
+    async def _handle(
+        self, api: ApiName, dialect: api_errors.ErrorDialect, request: Request
+    ) -> Response:
+        key = self._authenticate(request, dialect)
+        raw = await self._read_body(request, dialect)
+        parsed = parse_request(api, raw, self.settings.max_body_bytes)
+        served = self.settings.served_models
+        if served and parsed.model is not None and parsed.model not in served:
+            raise api_errors.not_found(
+                f"model {parsed.model!r}",
+                f"use one of {list(served)} (GET /v1/models)",
+                api=dialect,
+            )
+        call = to_upstream(parsed)
+        t0 = time.perf_counter()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        session_id, _source = session_id_from(
+            headers, call.messages_for_session or call.prompt or ""
+        )
+        prompt = self.hasher.key(call)
+        record = await self.sessions.get(session_id)
+        band = self._band(key, headers, record is not None, call)
+        max_tokens = call.max_tokens or self.settings.default_max_tokens
+        rreq = RouteRequest(
+            request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
+            prompt_tokens=prompt.prompt_tokens,
+            block_hashes=prompt.block_hashes,
+            session_id=session_id,
+            turn=(record.turns if record is not None else 0),
+            band=band,
+            max_tokens=max_tokens,
+            model=parsed.model or "",
+        )
+        hashing_s = time.perf_counter() - t0
+        tenant = session_id if key.tenant == "anonymous" else key.tenant
+        ticket = await self._admit(request, band, tenant, prompt.prompt_tokens, dialect)
+        try:
+            return await self._dispatch(
+                api, dialect, parsed, call, rreq, record.worker if record else None, ticket,
+                hashing_s,
+            )  # fmt: skip
+        except BaseException:
+            ticket.release(0)
+            raise
+
+    def _band(
+        self, key: KeyPolicy, headers: Mapping[str, str], known: bool, call: UpstreamCall
+    ) -> Band:
+        if key.priority == "sheddable" or headers.get(PRIORITY_HEADER, "") == "sheddable":
+            return "sheddable"
+        if known or is_continuing_turn(call.messages_for_session):
+            return "continuing"
+        return "new"
+
+    async def _admit(
+        self,
+        request: Request,
+        band: Band,
+        tenant: str,
+        cost: int,
+        dialect: api_errors.ErrorDialect,
+    ) -> Ticket:
+        try:
+            return await _unless_disconnected(request, self.flow.admit(band, tenant, cost))
+        except Shed as shed:
+            if shed.http_status == 429:
+                raise api_errors.rate_limited(shed.retry_after_s, api=dialect) from shed
+            raise api_errors.overloaded(shed.retry_after_s, api=dialect) from shed
+
+    def _decide(
+        self, rreq: RouteRequest, warm: str | None, exclude: set[str], dialect: Any
+    ) -> RouteDecision:
+        eps = [e for e in self.endpoints() if e.id not in exclude]
+        live = {e.id for e in eps}
+        try:
+            return self.core.decide(rreq, eps, warm if warm in live else None)
+        except NoCandidates as exc:
+            err = api_errors.overloaded(5.0, api=dialect)
+            raise dataclasses.replace(
+                err, message=f"no worker can serve this request now ({exc}); retry in 5 s"
+            ) from exc
+
+    async def _dispatch(
+        self,
+        api: ApiName,
+        dialect: api_errors.ErrorDialect,
+        parsed: ParsedRequest,
+        call: UpstreamCall,
+        rreq: RouteRequest,
+        warm: str | None,
+        ticket: Ticket,
+        hashing_s: float,
+    ) -> Response:
+        exclude: set[str] = set()
+        attempt = 0
+        while True:
+            t0 = time.perf_counter()
+            decision = self._decide(rreq, warm, exclude, dialect)
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
+            hashing_s = 0.0
+            flight = self.core.dispatched(rreq, decision)
+            self._record_decision(decision, rreq)
+            self._in_flight += 1
+            try:
+                if call.stream:
+                    return await self._stream(api, parsed, call, rreq, decision, flight, ticket)
+                return await self._unary(api, parsed, call, rreq, decision, flight, ticket)
+            except UpstreamError as err:
+                self._finish(flight, ok=False)
+                self.core.loads.failed(err.worker)
+                exclude.add(err.worker)
+                attempt += 1
+                if attempt > self.settings.max_retries:
+                    raise api_errors.upstream_failed(str(err), api=dialect) from err
+                self.metrics.retries.labels(err.reason).inc()
+                log.warning(
+                    "router.retry", request_id=rreq.request_id, worker=err.worker, error=str(err)
+                )
+
+    def _record_decision(self, d: RouteDecision, rreq: RouteRequest) -> None:
+        self.metrics.decisions.labels(d.reason or "unknown").inc()
+        kind = d.expected_hit.kind
+        self.metrics.hits.labels(kind).inc()
+        self.metrics.hit_tokens.labels(kind).inc(
+            min(rreq.prompt_tokens, d.expected_hit.full_blocks * self.core.config.block_size)
+        )
+        if d.prefill is not None:
+            self.metrics.disaggregated.inc()
+        log.info(
+            "router.decision",
+            request_id=rreq.request_id,
+            session_id=rreq.session_id,
+            band=rreq.band,
+            decode=d.decode.id,
+            prefill=d.prefill.id if d.prefill else None,
+            reason=d.reason,
+            hit=kind,
+            hit_blocks=d.expected_hit.full_blocks,
+            prompt_tokens=rreq.prompt_tokens,
+        )
+
+    def _headers(self, d: RouteDecision, rreq: RouteRequest) -> dict[str, str]:
+        out = {SESSION_HEADER: rreq.session_id or ""}
+        if self.settings.debug_header:
+            hit = d.expected_hit
+            out[ROUTE_HEADER] = (
+                f"decode={d.decode.id}; prefill={d.prefill.id if d.prefill else '-'}; "
+                f"reason={d.reason}; hit={hit.kind}:{hit.full_blocks}/"
+                f"{len(rreq.block_hashes)} blocks; band={rreq.band}"
+            )
+        return out
+
+    def _finish(self, flight: Flight, ok: bool) -> None:
+        if not flight.done:
+            self._in_flight -= 1
+        self.core.loads.finish(flight)
+        if ok:
+            self.core.loads.succeeded(flight.worker)
+
+    async def _done(
+        self, rreq: RouteRequest, d: RouteDecision, flight: Flight, ticket: Ticket, out_tokens: int
+    ) -> None:
+        self._finish(flight, ok=True)
+        ticket.release(rreq.prompt_tokens + 2 * out_tokens)
+        if rreq.session_id:
+            await self.sessions.bind(
+                rreq.session_id, d.decode.id, turn_tokens=rreq.prompt_tokens + out_tokens
+            )
+
+    async def _unary(
+        self,
+        api: ApiName,
+        parsed: ParsedRequest,
+        call: UpstreamCall,
+        rreq: RouteRequest,
+        d: RouteDecision,
+        flight: Flight,
+        ticket: Ticket,
+    ) -> Response:
+        upstream = await self.upstreams.unary(d, call, self._on_pd_fallback)
+        self.core.loads.first_token(flight)
+        upstream.pop("kv_transfer_params", None)
+        usage = upstream.get("usage") or {}
+        await self._done(rreq, d, flight, ticket, int(usage.get("completion_tokens", 0)))
+        model = parsed.model or self.settings.served_models[0]
+        if api == "messages":
+            body = to_anthropic_message(upstream, model=model, stop_sequences=call.stop_sequences)
+        elif api == "responses":
+            body = to_responses_object(upstream, request=parsed.request, model=model)  # type: ignore[arg-type]
+        else:
+            body = with_model(upstream, parsed.model)
+        return JSONResponse(body, headers=self._headers(d, rreq))
+
+    async def _stream(
+        self,
+        api: ApiName,
+        parsed: ParsedRequest,
+        call: UpstreamCall,
+        rreq: RouteRequest,
+        d: RouteDecision,
+        flight: Flight,
+        ticket: Ticket,
+    ) -> Response:
+        chunks = await self.upstreams.stream(d, call, self._on_pd_fallback)
+        model = parsed.model or self.settings.served_models[0]
+        translator = translator_for(
+            api,
+            model=model,
+            request=parsed.request if api == "responses" else None,  # type: ignore[arg-type]
+            stop_sequences=call.stop_sequences,
+            include_usage=call.client_wants_usage,
+        )
+        dialect: api_errors.ErrorDialect = "anthropic" if api == "messages" else "openai"
+        try:
+            first = await chunks.first()  # UpstreamError before the first byte → retry
+        except BaseException:
+            await chunks.aclose()
+            raise
+        self.core.loads.first_token(flight)
+
+        async def body() -> AsyncIterator[bytes]:
+            ok = False
+            try:
+                for c in first:
+                    for frame in translator.feed(c):
+                        yield frame
+                async for c in chunks:
+                    for frame in translator.feed(c):
+                        yield frame
+                for frame in translator.finish():
+                    yield frame
+                ok = True
+            except (UpstreamError, UpstreamStreamError, httpx.HTTPError) as exc:
+                log.warning("router.stream_failed", request_id=rreq.request_id, error=str(exc))
+                for frame in translator.fail(api_errors.upstream_failed(str(exc), api=dialect)):
+                    yield frame
+            finally:
+                await chunks.aclose()
+                usage = translator.usage or {}
+                if ok:
+                    await self._done(
+                        rreq, d, flight, ticket, int(usage.get("completion_tokens", 0))
+                    )
+                else:
+                    self._finish(flight, ok=False)
+                    ticket.release(rreq.prompt_tokens)
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers=self._headers(d, rreq)
+        )
+
+    def _on_pd_fallback(self, reason: str, worker: str) -> None:
+        self.metrics.pd_fallbacks.labels(reason).inc()
+        self.core.loads.failed(worker)
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`, but cancel it (and raise) if the client goes away meanwhile."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise api_errors.APIError(
+                    499, "client closed the request while it was queued", "api_error"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+def build_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="beamserve router")
+    app.state.router = router
+
+    for api, path in (
+        ("chat", "/v1/chat/completions"),
+        ("completions", "/v1/completions"),
+        ("responses", "/v1/responses"),
+        ("messages", "/v1/messages"),
+    ):
+
+        async def endpoint(request: Request, _api: ApiName = api) -> Response:  # type: ignore[assignment]
+            return await router.handle(_api, request)
+
+        app.add_api_route(path, endpoint, methods=["POST"], response_model=None)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(model_list(list(router.settings.served_models)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = any(e.can_decode for e in router.endpoints())
+        return JSONResponse(
+            {"status": "ok" if ok else "no-workers", "sessions": router.sessions.health()},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/workers")
+    async def workers() -> Response:
+        out = []
+        for e in router.endpoints():
+            ld = router.core.loads.load(e.id)
+            out.append({"id": e.id, "url": e.url, "role": e.role, "load": dataclasses.asdict(ld)})
+        return JSONResponse(out)
+
+    return app

@@ -1,0 +1,108 @@
+"""The router's Prometheus metrics (`beamserve_router_*`, units in the names).
+
+Counters: `requests_total{api,status}`, `decisions_total{reason}`, `prefix_hits_total{kind}`
+(kind = full | partial | none: hybrid-aware — *partial* means the full-attention blocks were
+resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_total{band,reason}`,
+`pd_fallbacks_total{reason}` (prefill leg failed → another prefill worker or local prefill),
+`retries_total{reason}`, `disaggregated_total`. Gauges: `queue_depth{band}`, `in_flight`,
+`worker_in_flight{worker}`, `worker_prefill_tokens{worker}`, `worker_decode_tokens{worker}`,
+`worker_breaker_open{worker}`, `session_store_degraded`, `kv_event_*` (subscriber totals).
+Histogram: `decision_seconds` (routing step: tokenize + hash + match + policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Live(Collector):
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._read()
+        depth = GaugeMetricFamily(
+            "beamserve_router_queue_depth", "Requests queued per band.", labels=["band"]
+        )
+        for band, n in s["queue_depth"].items():
+            depth.add_metric([band], n)
+        yield depth
+        yield GaugeMetricFamily(
+            "beamserve_router_in_flight", "Requests dispatched and not done.", value=s["in_flight"]
+        )
+        per = {
+            "worker_in_flight": "Router-tracked requests in flight per worker.",
+            "worker_prefill_tokens": "Router-tracked uncached prompt tokens in prefill.",
+            "worker_decode_tokens": "Router-tracked context tokens in decode.",
+            "worker_breaker_open": "1 while the worker's circuit breaker is open.",
+        }
+        for name, doc in per.items():
+            fam = GaugeMetricFamily(f"beamserve_router_{name}", doc, labels=["worker"])
+            for worker, v in s["workers"].get(name, {}).items():
+                fam.add_metric([worker], v)
+            yield fam
+        yield GaugeMetricFamily(
+            "beamserve_router_session_store_degraded",
+            "1 while the shared session store is unreachable (serving from local state).",
+            value=float(s["session_degraded"]),
+        )
+        shed = CounterMetricFamily(
+            "beamserve_router_shed", "Requests shed by flow control.", labels=["band", "reason"]
+        )
+        for (band, reason), n in s["shed"].items():
+            shed.add_metric([band, reason], n)
+        yield shed
+        for name, value in s["kv_events"].items():
+            yield CounterMetricFamily(
+                f"beamserve_router_kv_event_{name}", f"KV-event subscribers: {name}.", value=value
+            )
+
+
+class RouterMetrics:
+    def __init__(self, live: Callable[[], dict[str, Any]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "beamserve_router_requests", "Client requests.", ["api", "status"], registry=r
+        )
+        self.decisions = Counter(
+            "beamserve_router_decisions", "Routing decisions by reason.", ["reason"], registry=r
+        )
+        self.hits = Counter(
+            "beamserve_router_prefix_hits",
+            "Decisions by expected prefix hit (full: window tail resident too).",
+            ["kind"],
+            registry=r,
+        )
+        self.hit_tokens = Counter(
+            "beamserve_router_prefix_hit_tokens",
+            "Prompt tokens of the expected hit, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "beamserve_router_pd_fallbacks",
+            "Prefill legs that failed: retried elsewhere or prefilled on the decode worker.",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "beamserve_router_retries", "Retries before the first byte.", ["reason"], registry=r
+        )
+        self.disaggregated = Counter(
+            "beamserve_router_disaggregated", "Requests prefilled on the prefill pool.", registry=r
+        )
+        self.decision_seconds = Histogram(
+            "beamserve_router_decision_seconds",
+            "Routing step latency (tokenize, hash, match, policy).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        r.register(_Live(live))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

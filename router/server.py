@@ -1,0 +1,259 @@
+"""Running a router: wire discovery, the KV-event hub, scraping, health checks, sessions, flow
+control and the HTTP app together (`RouterRuntime`), for `beamserve router` and for tests.
+
+Background loops (all on the serving event loop):
+- discovery → the endpoint list; the KV-event hub subscribes to new workers and drops the index
+  entries of workers that left; their load records are forgotten;
+- every `scrape_interval_s`: each worker's `/metrics` (queue length, running, KV usage, under
+  vLLM's or SGLang's names) and `/health`; failures feed the circuit breaker; the pool snapshot
+  feeds the flow controller's saturation detector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+from beamserve.router.app import Router, RouterSettings, build_router_app
+from beamserve.router.core import CoreConfig, RoutingCore
+from beamserve.router.discovery import Discovery
+from beamserve.router.flow import (
+    FlowConfig,
+    FlowController,
+    SaturationConfig,
+    SaturationDetector,
+)
+from beamserve.router.index import KVEventHub, PrefixIndex
+from beamserve.router.load import LoadBook
+from beamserve.router.pd import Upstreams
+from beamserve.router.policy import ConditionalDisaggregation, build_policy
+from beamserve.router.prompt import PromptHasher
+from beamserve.router.sessions import make_session_store
+from beamserve.router.types import Endpoint
+from prometheus_client.parser import text_string_to_metric_families
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RuntimeConfig:
+    """Everything `beamserve router` takes (see its --help)."""
+
+    policy: str | dict[str, Any] = "sticky-until-saturated"
+    disaggregation: dict[str, Any] | None = None
+    flow: dict[str, Any] | None = None
+    saturation: dict[str, Any] | None = None
+    tokenizer: Path | None = None
+    block_size: int = 64
+    sliding_window: int = 512
+    hash_scheme: str = "vllm"
+    redis_url: str | None = None
+    scrape_interval_s: float = 1.0
+    predict_ttl_s: float = 10.0
+    prefill_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 120.0
+    settings: RouterSettings = field(default_factory=RouterSettings)
+
+
+class RouterRuntime:
+    def __init__(self, discovery: Discovery, config: RuntimeConfig | None = None) -> None:
+        self.discovery = discovery
+        self.config = c = config or RuntimeConfig()
+        self.index = PrefixIndex()
+        self.loads = LoadBook()
+        disagg = ConditionalDisaggregation.from_params(
+            {
+                "block_size": c.block_size,
+                "sliding_window": c.sliding_window,
+                **(c.disaggregation or {}),
+            }
+        )
+        self.core = RoutingCore(
+            build_policy(c.policy),
+            self.index,
+            self.loads,
+            disagg,
+            CoreConfig(c.block_size, c.sliding_window, c.predict_ttl_s),
+        )
+        self.flow = FlowController(
+            FlowConfig.from_mapping(c.flow or {}),
+            saturation=SaturationDetector(SaturationConfig.from_mapping(c.saturation or {})),
+        )
+        self.sessions = make_session_store(c.redis_url)
+        self.hub = KVEventHub(self.index)
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
+        self.upstreams = Upstreams(
+            self.http,
+            lambda: self.discovery.endpoints,
+            self.loads,
+            prefill_timeout_s=c.prefill_timeout_s,
+            first_byte_timeout_s=c.first_byte_timeout_s,
+        )
+        hasher = PromptHasher(c.tokenizer, block_size=c.block_size, scheme=c.hash_scheme)  # type: ignore[arg-type]
+        self.router = Router(
+            self.core,
+            lambda: self.discovery.endpoints,
+            self.sessions,
+            self.flow,
+            self.upstreams,
+            hasher,
+            c.settings,
+            kv_event_totals=self._kv_totals,
+        )
+        self.app = build_router_app(self.router)
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    def _kv_totals(self) -> dict[str, float]:
+        t = self.hub.totals()
+        return {
+            k: float(getattr(t, k))
+            for k in ("batches_applied", "gaps", "replayed_batches", "resyncs", "decode_errors")
+            if hasattr(t, k)
+        }
+
+    def _on_endpoints(self, endpoints: list[Endpoint]) -> None:
+        self.hub.sync(endpoints)
+        self.loads.forget(e.id for e in endpoints)
+        log.info("router.endpoints", workers=[e.id for e in endpoints])
+
+    async def start(self) -> None:
+        self.discovery.on_change(self._on_endpoints)
+        await self.discovery.start()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.discovery.wait_synced(10.0)
+        if self.discovery.synced:
+            self._on_endpoints(self.discovery.endpoints)
+        self._tasks.append(asyncio.create_task(self._scrape_loop(), name="router-scrape"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.discovery.stop()
+        await self.hub.aclose()
+        await self.upstreams.aclose()
+        await self.http.aclose()
+        await self.sessions.close()
+        self.flow.close()
+
+    async def _scrape_one(self, ep: Endpoint) -> None:
+        try:
+            h = await self.http.get(ep.url + "/health", timeout=2.0)
+            if h.status_code != 200:
+                self.loads.failed(ep.id)
+                return
+            m = await self.http.get(ep.url + "/metrics", timeout=2.0)
+            samples: dict[str, float] = {}
+            for fam in text_string_to_metric_families(m.text):
+                for s in fam.samples:
+                    samples[s.name] = samples.get(s.name, 0.0) + s.value
+            self.loads.scraped(ep.id, samples)
+            self.loads.succeeded(ep.id)
+        except (httpx.HTTPError, ValueError):
+            self.loads.failed(ep.id)
+
+    async def scrape_once(self) -> None:
+        eps = self.discovery.endpoints
+        await asyncio.gather(*(self._scrape_one(e) for e in eps))
+        self.flow.observe_pool([self.loads.load(e.id) for e in eps if e.can_decode])
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:
+                log.exception("router.scrape_failed")
+            await asyncio.sleep(self.config.scrape_interval_s)
+
+
+# --- gRPC: the Envoy endpoint picker and the native Route service -------------------------------
+
+
+class GrpcGlue:
+    """The routing step behind `beamserve.router.grpc_api` (same core as the HTTP door)."""
+
+    def __init__(self, runtime: RouterRuntime) -> None:
+        self.rt = runtime
+
+    def _route_request(self, call: Any, headers: dict[str, str], rid: str) -> Any:
+        from beamserve.router.api.session import is_continuing_turn, session_id_from
+        from beamserve.router.types import RouteRequest
+
+        hasher = self.rt.router.hasher
+        key = hasher.key(call)
+        sid, _ = session_id_from(headers, call.messages_for_session or call.prompt or "")
+        band = "continuing" if is_continuing_turn(call.messages_for_session) else "new"
+        if headers.get("x-beamserve-priority") == "sheddable":
+            band = "sheddable"
+        return RouteRequest(
+            rid, key.prompt_tokens, key.block_hashes, sid, band=band,  # type: ignore[arg-type]
+            max_tokens=call.max_tokens or 256,
+        )  # fmt: skip
+
+    async def pick(self, headers: Any, body: bytes) -> Any:
+        from beamserve.router.api.convert import to_upstream
+        from beamserve.router.api.errors import APIError
+        from beamserve.router.api.models import parse_request
+        from beamserve.router.grpc_api import PickResult
+        from beamserve.router.policy import NoCandidates
+
+        hdrs = {k.lower(): v for k, v in dict(headers).items()}
+        path = hdrs.get(":path", "/v1/chat/completions").split("?")[0]
+        api = {
+            "/v1/chat/completions": "chat",
+            "/v1/completions": "completions",
+            "/v1/responses": "responses",
+            "/v1/messages": "messages",
+        }.get(path)
+        eps = self.rt.discovery.endpoints
+        if api is None:  # not an inference call: any decode worker
+            ready = [e for e in eps if e.can_decode and self.rt.loads.healthy(e.id)]
+            if not ready:
+                return PickResult.unavailable("no worker is ready")
+            return PickResult.picked(_address(ready[0]))
+        try:
+            call = to_upstream(parse_request(api, body, 64 * 1024 * 1024))  # type: ignore[arg-type]
+        except APIError as err:
+            return PickResult(endpoint=None, status=err.status, message=err.message)
+        rreq = self._route_request(call, hdrs, hdrs.get("x-request-id", "ext-proc"))
+        record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
+        try:
+            d = self.rt.core.decide(rreq, eps, record.worker if record else None)
+        except NoCandidates as exc:
+            return PickResult.unavailable(f"no worker fits: {exc}", retry_after_s=5.0)
+        self.rt.core.dispatched(rreq, d)  # predictions; load is tracked by the workers' metrics
+        if rreq.session_id:
+            await self.rt.sessions.bind(rreq.session_id, d.decode.id)
+        headers_out: list[tuple[str, str]] = [("x-beamserve-route", f"reason={d.reason}")]
+        if d.prefill is not None:
+            headers_out.append(("x-prefiller-host-port", _address(d.prefill)))
+        return PickResult.picked(_address(d.decode), set_headers=tuple(headers_out))
+
+    async def route(self, query: Any) -> Any:
+        """`beamserve.router.v1.Router/Route`: the decision only (nothing is sent)."""
+        from dataclasses import replace
+
+        hasher = self.rt.router.hasher
+        hashes = query.block_hashes
+        n = query.prompt_tokens
+        if hashes is None:
+            ids = list(query.token_ids or ()) or hasher.codec.encode(query.prompt or "")
+            hashes, n = hasher.hashes(ids), n or len(ids)
+        rreq = replace(query.to_route_request(block_hashes=tuple(hashes)), prompt_tokens=n)
+        record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
+        warm = record.worker if record else None
+        return self.rt.core.decide(rreq, self.rt.discovery.endpoints, warm)
+
+
+def _address(ep: Endpoint) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(ep.url)
+    return f"{parts.hostname}:{parts.port}"

@@ -1,0 +1,151 @@
+"""Front-door admission through the real router app (in process, over ASGI) in front of real
+sim worker processes: API keys, per-key rate limits and priority classes, and flow control —
+under saturation continuing turns go first, the sheddable band is shed with 429 and
+Retry-After in the client's own error shape, and nothing is left queued or in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from beamserve.router.app import KeyPolicy, RouterSettings
+from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
+from beamserve.router.server import RouterRuntime, RuntimeConfig
+
+from tests.conftest import SpawnWorker
+
+CHAT = {"model": "beam", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+
+class Gate:
+    """A saturation signal the test opens and closes (stands below the router's flow control)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def saturated(self, now: float) -> bool:
+        return self.closed
+
+
+def runtime(urls: list[str], **config: Any) -> RouterRuntime:
+    eps = parse_endpoint_specs([{"url": u} for u in urls])
+    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, **config))
+    return rt
+
+
+def test_api_keys_rate_limits_and_classes(spawn_worker: SpawnWorker) -> None:
+    w = spawn_worker("--engine", "sim")
+    keys = {
+        "k-user": KeyPolicy("team-a", rate_per_s=0.5, burst=2),
+        "k-batch": KeyPolicy("batch", priority="sheddable"),
+    }
+    rt = runtime([w.url], settings=RouterSettings(api_keys=keys))
+
+    async def main() -> None:
+        await rt.start()
+        try:
+            t = httpx.ASGITransport(app=rt.app)
+            async with httpx.AsyncClient(transport=t, base_url="http://router") as c:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                r = await c.post("/v1/messages", json={"model": "beam", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "x"}]},
+                                 headers={"x-api-key": "wrong"})  # fmt: skip
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+                auth = {"authorization": "Bearer k-user"}
+                codes = [(await c.post("/v1/chat/completions", json=CHAT, headers=auth))
+                         for _ in range(3)]  # fmt: skip
+                assert [r.status_code for r in codes] == [200, 200, 429]
+                assert int(codes[2].headers["retry-after"]) >= 1
+                r = await c.post(
+                    "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k-batch"}
+                )
+                assert r.status_code == 200 and "band=sheddable" in r.headers["x-beamserve-route"]
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
+
+
+def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
+    spawn_worker: SpawnWorker,
+) -> None:
+    w = spawn_worker("--engine", "sim")
+    rt = runtime([w.url], flow={"max_queued": 3})
+    gate = Gate()
+    rt.flow.saturation = gate
+    order: list[str] = []
+    dispatched = rt.core.dispatched
+
+    def record(req: Any, d: Any) -> Any:
+        order.append(req.band)
+        return dispatched(req, d)
+
+    rt.core.dispatched = record  # type: ignore[method-assign]
+
+    def turn(sid: str, text: str, continuing: bool) -> dict[str, Any]:
+        msgs = [{"role": "user", "content": text}]
+        if continuing:
+            msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+        return {**CHAT, "messages": msgs}
+
+    async def main() -> None:
+        await rt.start()
+        try:
+            t = httpx.ASGITransport(app=rt.app)
+            async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=30) as c:
+                gate.closed = True
+                low = {"x-beamserve-priority": "sheddable"}
+                url = "/v1/chat/completions"
+                shed = asyncio.create_task(c.post(url, json=turn("a", "x", False), headers=low))
+                await asyncio.sleep(0.2)
+                new = [asyncio.create_task(c.post("/v1/chat/completions",
+                       json=turn(f"n{i}", f"new {i}", False))) for i in range(2)]  # fmt: skip
+                await asyncio.sleep(0.2)
+                # the queue (3) is full: a continuing turn evicts the sheddable one
+                cont = asyncio.create_task(c.post("/v1/chat/completions",
+                                           json=turn("c", "continue", True)))  # fmt: skip
+                r = await shed
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["type"] == "requests"
+                assert int(r.headers["retry-after"]) >= 1
+                assert rt.flow.stats().queued["continuing"] == 1
+                gate.closed = False
+                rt.flow.poll()
+                answers = await asyncio.gather(cont, *new)
+                assert [a.status_code for a in answers] == [200, 200, 200]
+                assert order == ["continuing", "new", "new"]
+                s = rt.flow.stats()
+                assert sum(s.queued.values()) == 0 and s.in_flight == 0
+                m = (await c.get("/metrics")).text
+                assert 'beamserve_router_shed_total{band="sheddable",reason="overload"} 1.0' in m
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
+
+
+def test_anthropic_shed_shape(spawn_worker: SpawnWorker) -> None:
+    w = spawn_worker("--engine", "sim")
+    rt = runtime([w.url], flow={"max_queued": 1, "band_ttl_s": {"new": 0.3}})
+    gate = Gate()
+    rt.flow.saturation = gate
+    body = {"model": "beam", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+
+    async def main() -> None:
+        await rt.start()
+        try:
+            t = httpx.ASGITransport(app=rt.app)
+            async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=30) as c:
+                gate.closed = True
+                r = await c.post("/v1/messages", json=body)  # waits 0.3 s, then expires
+                assert r.status_code == 529, r.text
+                assert r.json() == {"type": "error", "error": json.loads(r.text)["error"]}
+                assert r.json()["error"]["type"] == "overloaded_error"
+                assert "retry-after" in r.headers
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
