@@ -211,3 +211,20 @@ def test_sglang_style_pd_through_the_router(
     assert metric(d.url, "beamserve_worker_kv_transfers_total") == 1
     assert metric(d.url, "beamserve_worker_kv_recompute_fallbacks_total") == 0
     assert metric(router.url, "beamserve_router_disaggregated_total") == 1
+
+
+def test_client_disconnect_cancels_upstream_work(spawn_worker: SpawnWorker) -> None:
+    w = spawn_worker("--engine", "sim", "--faults", json.dumps({"slowdown": 20}))
+    router = spawn_worker("--endpoints", json.dumps([spec(w)]), command="router")
+    body = {"model": "beam", "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 2000, "stream": True}  # fmt: skip
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # tokens are flowing; now walk away
+    deadline = time.monotonic() + 10
+    while metric(w.url, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the worker kept generating for a gone client"
+        time.sleep(0.2)
+    assert metric(w.url, "vllm:generation_tokens_total") < 2000
+    assert metric(router.url, "beamserve_router_in_flight") == 0

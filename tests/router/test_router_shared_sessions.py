@@ -1,0 +1,64 @@
+"""Two router processes behind a (pretend) plain load balancer share sessions through a real
+Redis: a session bound by one replica stays on its warm worker when its next turn lands on the
+other. Redis killed: both keep serving from local state; restarted: they recover."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from tests.conftest import SpawnWorker, WorkerProc
+from tests.router.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+from tests.router.test_router_e2e import metric, route_of
+
+
+def turn(router: WorkerProc, sid: str, text: str) -> httpx.Response:
+    body: dict[str, Any] = {
+        "model": "beam",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+    }
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers={"x-session-id": sid}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_sessions_follow_their_worker_across_router_replicas(
+    spawn_worker: SpawnWorker,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    workers = [spawn_worker("--engine", "sim") for _ in range(3)]
+    specs = json.dumps([{"url": w.url} for w in workers])
+    # approximate mode and no KV events: replica B knows nothing of A's traffic but the store
+    common = ["--endpoints", specs, "--redis", redis_server.url, "--policy", "least-load"]
+    a = spawn_worker(*common, command="router")
+    b = spawn_worker(*common, command="router")
+    sessions = [f"shared-{i}" for i in range(6)]
+    first = {sid: route_of(turn(a, sid, f"opening of {sid}").headers)["decode"] for sid in sessions}
+    assert len(set(first.values())) > 1  # least-load spread them
+    for sid in sessions:
+        again = route_of(turn(b, sid, f"a different second turn {sid}").headers)
+        assert again["decode"] == first[sid], (sid, again)
+        assert again["band"] == "continuing"
+
+    # Redis dies: both replicas keep serving, from what they know locally
+    redis_server.kill()
+    t0 = time.monotonic()
+    for sid in sessions[:3]:
+        assert route_of(turn(a, sid, "during the outage").headers)["decode"] == first[sid]
+    assert time.monotonic() - t0 < 10
+    assert metric(a.url, "beamserve_router_session_store_degraded") == 1
+    # Redis returns (empty): the replicas recover and re-sync what they wrote meanwhile
+    redis_server.restart()
+    deadline = time.monotonic() + 15
+    while metric(a.url, "beamserve_router_session_store_degraded") != 0:
+        assert time.monotonic() < deadline, "router did not recover from the Redis outage"
+        turn(a, sessions[0], "poke")
+        time.sleep(0.5)
+    for sid in sessions[:3]:
+        assert route_of(turn(b, sid, "after recovery").headers)["decode"] == first[sid]
