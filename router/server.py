@@ -125,9 +125,7 @@ class RouterRuntime:
         self.discovery.on_change(self._on_endpoints)
         await self.discovery.start()
         with contextlib.suppress(asyncio.TimeoutError):
-            await self.discovery.wait_synced(10.0)
-        if self.discovery.synced:
-            self._on_endpoints(self.discovery.endpoints)
+            await self.discovery.wait_synced(10.0)  # on_change has fired by then
         self._tasks.append(asyncio.create_task(self._scrape_loop(), name="router-scrape"))
 
     async def stop(self) -> None:
