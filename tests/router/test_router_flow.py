@@ -149,3 +149,49 @@ def test_anthropic_shed_shape(spawn_worker: SpawnWorker) -> None:
             await rt.stop()
 
     asyncio.run(main())
+
+
+def test_garbage_bodies_never_get_a_5xx(spawn_worker: SpawnWorker) -> None:
+    """Any bytes to any endpoint: a 2xx or a 4xx in that API's error shape, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    w = spawn_worker("--engine", "sim")
+    rt = runtime([w.url], settings=RouterSettings(max_body_bytes=4096))
+    paths = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(), kids, max_size=4),
+        max_leaves=20,
+    )
+    near_valid = st.fixed_dictionaries(
+        {"model": st.just("beam"), "max_tokens": st.integers(-2, 3)},
+        optional={"messages": json_values, "prompt": json_values, "input": json_values,
+                  "stream": json_values, "tools": json_values},
+    ).map(lambda d: json.dumps(d).encode())  # fmt: skip
+    bodies = st.binary(max_size=300) | near_valid | st.just(b"x" * 5000)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(rt.start())
+    t = httpx.ASGITransport(app=rt.app)
+    client = httpx.AsyncClient(transport=t, base_url="http://router", timeout=30)
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(paths), body=bodies)
+    def check(path: str, body: bytes) -> None:
+        r = loop.run_until_complete(
+            client.post(path, content=body, headers={"content-type": "application/json"})
+        )
+        assert r.status_code < 500, (path, body[:200], r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            err = r.json()
+            if path == "/v1/messages":
+                assert err["type"] == "error" and "message" in err["error"]
+            else:
+                assert "message" in err["error"] and "type" in err["error"]
+
+    try:
+        check()
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.run_until_complete(rt.stop())
+        loop.close()
