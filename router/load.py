@@ -92,6 +92,9 @@ class LoadBook:
         """A request was sent: its uncached prompt counts as prefill work on `prefill` (or on
         `decode` when it prefills locally)."""
         f = Flight(decode, uncached_tokens, context_tokens, prefill_worker=prefill)
+        for wid in (decode, prefill):
+            if wid is not None:
+                self.probing(wid)  # a half-open breaker lets only this request through
         target = self._w(prefill or decode)
         target.prefill_tokens += uncached_tokens
         d = self._w(decode)
