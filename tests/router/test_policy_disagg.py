@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from beamserve.router.policy import (
     ConditionalDisaggregation,
@@ -18,12 +14,7 @@ from beamserve.router.types import PrefixHit
 from hypothesis import given
 from hypothesis import strategies as st
 
-_path = Path(__file__).resolve().parent / "_policy_views.py"
-_spec = importlib.util.spec_from_file_location("_policy_views", _path)
-assert _spec is not None and _spec.loader is not None
-_views = sys.modules.setdefault("_policy_views", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(_views)
-view, request = _views.view, _views.request
+from tests.router._policy_views import request, view
 
 
 @pytest.mark.parametrize(

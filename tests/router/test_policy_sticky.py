@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from beamserve.router.policy import (
     NoCandidates,
@@ -17,12 +13,7 @@ from beamserve.router.policy import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-_path = Path(__file__).resolve().parent / "_policy_views.py"
-_spec = importlib.util.spec_from_file_location("_policy_views", _path)
-assert _spec is not None and _spec.loader is not None
-_views = sys.modules.setdefault("_policy_views", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(_views)
-view, request = _views.view, _views.request
+from tests.router._policy_views import request, view
 
 RATE = 10000.0  # tokens/s: easy seconds
 PARAMS = StickyParams(prefill_tok_s=RATE, decode_interference=0.0, margin_s=1.0, margin_ratio=1.5)
