@@ -192,6 +192,20 @@ def _upstream_error(chunk: Chunk) -> APIError | None:
     return upstream_failed(str(message or "error event in the stream"))
 
 
+def _begin_chunk(
+    t: AnthropicStream | ResponsesStream, chunk: Chunk
+) -> tuple[list[bytes], Mapping[str, Any] | None]:
+    """The prologue both translating streams share: the opening frames, a worker's error
+    chunk turned into the API's failure frames, usage noted; then the chunk's first choice
+    (None: nothing more to translate)."""
+    frames = t._start()
+    if (err := _upstream_error(chunk)) is not None:
+        return frames + t.fail(err), None
+    if isinstance(chunk.get("usage"), Mapping):
+        t.usage = dict(chunk["usage"])
+    return frames, _first_choice(chunk)
+
+
 def _first_choice(chunk: Chunk) -> Mapping[str, Any] | None:
     for choice in chunk.get("choices") or ():
         if isinstance(choice, Mapping) and choice.get("index", 0) == 0:
@@ -324,12 +338,7 @@ class AnthropicStream:
     def feed(self, chunk: Chunk) -> list[bytes]:
         if self.closed:
             return []
-        frames = self._start()
-        if (err := _upstream_error(chunk)) is not None:
-            return frames + self.fail(err)
-        if isinstance(chunk.get("usage"), Mapping):
-            self.usage = dict(chunk["usage"])
-        choice = _first_choice(chunk)
+        frames, choice = _begin_chunk(self, chunk)
         if choice is None:
             return frames
         delta = choice.get("delta") or {}
@@ -563,12 +572,7 @@ class ResponsesStream:
     def feed(self, chunk: Chunk) -> list[bytes]:
         if self.closed:
             return []
-        frames = self._start()
-        if (err := _upstream_error(chunk)) is not None:
-            return frames + self.fail(err)
-        if isinstance(chunk.get("usage"), Mapping):
-            self.usage = dict(chunk["usage"])
-        choice = _first_choice(chunk)
+        frames, choice = _begin_chunk(self, chunk)
         if choice is None:
             return frames
         delta = choice.get("delta") or {}
