@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 import structlog
@@ -96,6 +96,16 @@ class RouterSettings:
     max_retries: int = 2
     debug_header: bool = True
     default_max_tokens: int = 4096
+
+
+class _Turn(NamedTuple):
+    """One client request on its way through `Router._dispatch`."""
+
+    api: ApiName
+    parsed: ParsedRequest
+    call: UpstreamCall
+    rreq: RouteRequest
+    ticket: Ticket
 
 
 class Router:
@@ -297,9 +307,10 @@ class Router:
             self._record_decision(decision, rreq)
             self._in_flight += 1
             try:
+                turn = _Turn(api, parsed, call, rreq, ticket)
                 if call.stream:
-                    return await self._stream(api, parsed, call, rreq, decision, flight, ticket)
-                return await self._unary(api, parsed, call, rreq, decision, flight, ticket)
+                    return await self._stream(turn, decision, flight)
+                return await self._unary(turn, decision, flight)
             except UpstreamError as err:
                 self._finish(flight, ok=False)
                 self.core.loads.failed(err.worker)
@@ -362,16 +373,8 @@ class Router:
                 rreq.session_id, d.decode.id, turn_tokens=rreq.prompt_tokens + out_tokens
             )
 
-    async def _unary(
-        self,
-        api: ApiName,
-        parsed: ParsedRequest,
-        call: UpstreamCall,
-        rreq: RouteRequest,
-        d: RouteDecision,
-        flight: Flight,
-        ticket: Ticket,
-    ) -> Response:
+    async def _unary(self, turn: _Turn, d: RouteDecision, flight: Flight) -> Response:
+        api, parsed, call, rreq, ticket = turn
         upstream = await self.upstreams.unary(d, call, self._on_pd_fallback)
         self.core.loads.first_token(flight)
         upstream.pop("kv_transfer_params", None)
@@ -386,16 +389,8 @@ class Router:
             body = with_model(upstream, parsed.model)
         return JSONResponse(body, headers=self._headers(d, rreq))
 
-    async def _stream(
-        self,
-        api: ApiName,
-        parsed: ParsedRequest,
-        call: UpstreamCall,
-        rreq: RouteRequest,
-        d: RouteDecision,
-        flight: Flight,
-        ticket: Ticket,
-    ) -> Response:
+    async def _stream(self, turn: _Turn, d: RouteDecision, flight: Flight) -> Response:
+        api, parsed, call, rreq, ticket = turn
         chunks = await self.upstreams.stream(d, call, self._on_pd_fallback)
         model = parsed.model or self.settings.served_models[0]
         translator = translator_for(
