@@ -18,7 +18,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 DEBS := libfabric1 redis-server
 PYTEST_ARGS ?=
 
-.PHONY: install debs demo test test-slow lint bench clean
+.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench clean
 
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
@@ -56,7 +56,15 @@ demo: install
 	$(VENV)/bin/beamserve demo
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow and not k8s" $(PYTEST_ARGS)
+
+# A real kube-apiserver + kube-controller-manager 1.20.2 built from Debian's `kubernetes` source
+# package (≈7 min once; cached in ~/.cache/beamserve/k8s-1.20.2, outside the repository).
+k8s-testenv:
+	scripts/k8s-testenv.sh
+
+test-k8s: install k8s-testenv
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m k8s $(PYTEST_ARGS)
 
 test-slow: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m slow $(PYTEST_ARGS)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import base64
 import contextlib
 import json
@@ -710,11 +711,18 @@ class KubeAccess:
 
 
 def _data_file(b64: str) -> Path:
-    """Base64 kubeconfig data as a private temporary file (ssl wants paths)."""
+    """Base64 kubeconfig data as a private temporary file (ssl wants paths); removed when the
+    interpreter exits (the client may reload it for every connection until then)."""
     fd, name = tempfile.mkstemp(prefix="beamserve-kube-")
+    atexit.register(_remove_quietly, name)
     with os.fdopen(fd, "wb") as f:
         f.write(base64.b64decode(b64))
     return Path(name)
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 # -- Kubernetes: list + watch -------------------------------------------------------------------
@@ -900,28 +908,44 @@ class KubernetesDiscovery(Discovery):
                         )
 
     async def _slice_version(self, client: httpx.AsyncClient) -> str:
-        """`v1` when the server serves discovery.k8s.io/v1, else `v1beta1` (from /apis)."""
+        """`v1` when the server serves discovery.k8s.io/v1, else `v1beta1` (from /apis).
+
+        A starting API server answers `/apis` before it has registered all its groups (for
+        ≈ 0.1 s on 1.20), so a missing group is final only once `/readyz` says the server is
+        ready (or has no readiness endpoint to ask: 401/403/404); until then, retry."""
         delay = self.settings.backoff_initial_s
         while True:
+            served: set[str] = set()
             try:
                 resp = await client.get("/apis")
                 _raise_for_status(resp, "/apis")
-                groups = resp.json().get("groups") or []
-                break
+                for group in resp.json().get("groups") or []:
+                    if group.get("name") == "discovery.k8s.io":
+                        served |= {str(v.get("version")) for v in group.get("versions") or []}
+                listed = True
             except (httpx.HTTPError, ValueError, _Gone) as e:
                 log.warning("kubernetes /apis failed; retrying", error=str(e))
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, self.settings.backoff_max_s)
-        served = {
-            v.get("version")
-            for g in groups
-            if g.get("name") == "discovery.k8s.io"
-            for v in g.get("versions") or []
-        }
-        for version in ("v1", "v1beta1"):
-            if version in served:
-                return version
-        raise DiscoveryConfigError(
-            "the API server serves neither discovery.k8s.io/v1 nor v1beta1 EndpointSlices; "
-            "Kubernetes 1.17 or newer is needed"
-        )
+                listed = False
+            for version in ("v1", "v1beta1"):
+                if version in served:
+                    return version
+            if listed:
+                if await _server_ready(client):
+                    raise DiscoveryConfigError(
+                        "the API server serves neither discovery.k8s.io/v1 nor v1beta1 "
+                        "EndpointSlices; Kubernetes 1.17 or newer is needed"
+                    )
+                log.info("API server not ready; EndpointSlice group not listed yet; retrying")
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, self.settings.backoff_max_s)
+
+
+async def _server_ready(client: httpx.AsyncClient) -> bool:
+    """Whether the API server's answers are final: `/readyz` is 200, or the server offers no
+    readiness we may read (401/403/404: older servers, locked-down RBAC). 5xx and transport
+    errors mean it is still starting (or stopping)."""
+    try:
+        resp = await client.get("/readyz")
+    except httpx.HTTPError:
+        return False
+    return resp.status_code in (200, 401, 403, 404)

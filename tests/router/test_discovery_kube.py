@@ -47,6 +47,7 @@ class FakeKube:
         self.watches: dict[str, int] = {"services": 0, "endpointslices": 0}
         self.wakeup = asyncio.Event()
         self.unauthorized = 0
+        self.ready = True  # /readyz: 200, else 500 (a starting server)
 
     def put(self, kind: str, obj: dict[str, Any]) -> None:
         self.rv += 1
@@ -96,6 +97,10 @@ def make_app(kube: FakeKube) -> FastAPI:
             kube.unauthorized += 1
             return JSONResponse({"kind": "Status", "code": 401}, status_code=401)
         return await call_next(request)
+
+    @app.get("/readyz")
+    async def readyz() -> Any:
+        return JSONResponse("ok" if kube.ready else "starting", 200 if kube.ready else 500)
 
     @app.get("/apis")
     async def apis() -> dict[str, Any]:
@@ -319,5 +324,23 @@ def test_server_without_endpointslices_is_a_clear_error() -> None:
     async def scenario(kube: FakeKube, disco: KubernetesDiscovery) -> None:
         with pytest.raises(DiscoveryConfigError, match=r"Kubernetes 1\.17 or newer"):
             await asyncio.wait_for(disco.run(), 5)
+
+    asyncio.run(run_with_fake((), scenario))
+
+
+def test_starting_server_without_the_group_yet_is_retried() -> None:
+    """A starting API server lists /apis before registering all groups (≈ 0.1 s on 1.20, seen
+    against the real server): not an error until /readyz says ready."""
+
+    async def scenario(kube: FakeKube, disco: KubernetesDiscovery) -> None:
+        kube.ready = False
+        kube.put("services", service("beam-decode", "decode"))
+        kube.put("endpointslices", endpoint_slice("beam-decode", {"10.0.0.1": True}))
+        async with disco:
+            await asyncio.sleep(0.3)  # several /apis answers without discovery.k8s.io
+            assert not disco.synced
+            kube.slice_versions, kube.ready = ("v1beta1",), True
+            await disco.wait_synced(5)
+            assert ids(disco.endpoints) == ["beam-decode-1"]
 
     asyncio.run(run_with_fake((), scenario))
