@@ -228,3 +228,32 @@ def test_client_disconnect_cancels_upstream_work(spawn_worker: SpawnWorker) -> N
         time.sleep(0.2)
     assert metric(w.url, "vllm:generation_tokens_total") < 2000
     assert metric(router.url, "beamserve_router_in_flight") == 0
+
+
+@pytest.mark.integration
+def test_ref_engine_disaggregated_through_the_router(
+    spawn_worker: SpawnWorker, tiny_checkpoint: Path
+) -> None:
+    """Real tiny Beam: the router splits prefill (TP2) from decode (TP1), the KV moves over
+    NIXL between the worker processes, and greedy output equals the colocated worker's."""
+    m = str(tiny_checkpoint)
+    both = spawn_worker("--engine", "ref", "--model", m)
+    p = spawn_worker("--engine", "ref", "--role", "prefill", "--model", m, "--tp", "2",
+                     "--kv-events-endpoint", "tcp://127.0.0.1:0")  # fmt: skip
+    d = spawn_worker("--engine", "ref", "--role", "decode", "--model", m, "--tp", "1")
+    ref = {"engine": "ref", "block_size": 16}
+    router = spawn_worker(
+        "--endpoints", json.dumps([spec(p, "prefill", **ref), spec(d, "decode", **ref)]),
+        "--tokenizer", m, "--block-size", "16",
+        "--disaggregation", json.dumps({"min_uncached_tokens": 16, "require": "either"}),
+        command="router",
+    )  # fmt: skip
+    ask = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    body = {"model": "beam", "max_tokens": 8, "temperature": 0, "messages": ask}
+    want = httpx.post(both.url + "/v1/chat/completions", json=body, timeout=120).json()
+    r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert route_of(r.headers)["prefill"] != "-"
+    assert r.json()["choices"][0]["message"] == want["choices"][0]["message"]
+    assert metric(d.url, "beamserve_worker_kv_transfers_total") == 1
+    assert metric(d.url, "vllm:nixl_bytes_transferred_total") > 0
