@@ -76,10 +76,9 @@ class RoutingCore:
             else {}
         )
         empty = PrefixHit()
-        return [
-            WorkerView(e, self.loads.load(e.id, now), hits.get(e.id, empty), warm=e.id == warm)
-            for e in endpoints
-        ]
+        load = self.loads.load
+        hit = hits.get
+        return [WorkerView(e, load(e.id, now), hit(e.id, empty), e.id == warm) for e in endpoints]
 
     def decide(
         self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None

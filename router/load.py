@@ -43,6 +43,9 @@ class _Worker:
     served: int = 0
 
 
+_IDLE = WorkerLoad()  # a worker the book has never seen: no load, never scraped, healthy
+
+
 @dataclass(frozen=True)
 class BreakerParams:
     failure_threshold: int = 3
@@ -177,18 +180,21 @@ class LoadBook:
 
     # --- views -----------------------------------------------------------------------------------
     def load(self, worker: str, now: float | None = None) -> WorkerLoad:
-        w = self._workers.get(worker) or _Worker()
+        w = self._workers.get(worker)
+        if w is None:
+            return _IDLE
         now = self.clock() if now is None else now
-        age = None if w.scraped_at is None else max(0.0, now - w.scraped_at)
+        at = w.scraped_at
         return WorkerLoad(
-            prefill_tokens=max(0, w.prefill_tokens),
-            decode_tokens=max(0, w.decode_tokens),
-            in_flight=max(0, w.in_flight),
-            queue_len=w.queue_len,
-            running=w.running,
-            kv_usage=w.kv_usage,
-            scraped_age_s=age,
-            healthy=self.healthy(worker, now),
+            w.prefill_tokens if w.prefill_tokens > 0 else 0,
+            w.decode_tokens if w.decode_tokens > 0 else 0,
+            w.in_flight if w.in_flight > 0 else 0,
+            w.queue_len,
+            w.running,
+            w.kv_usage,
+            None if at is None else (now - at if now > at else 0.0),
+            # `healthy`, inlined for the common closed breaker (this runs per worker per route).
+            w.failures < self.breaker.failure_threshold or self.healthy(worker, now),
         )
 
     def served(self, worker: str) -> int:

@@ -43,6 +43,7 @@ session ends there (the harness gives up), in the open loop the line is dropped.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import time
@@ -475,10 +476,10 @@ class Replay:
                 nxt = 1 if len(s.requests) > 1 else None
                 first = s.requests[0]
                 at = i * self.config.session_interval_s / load
-                clock.call_at(at, lambda r=first, n=nxt: self._arrive(r, n))
+                clock.call_at(at, functools.partial(self._arrive, first, nxt))
         else:
             for r in trace.requests:
-                clock.call_at(r.arrival_s / load, lambda r=r: self._arrive(r, None))
+                clock.call_at(r.arrival_s / load, functools.partial(self._arrive, r, None))
         wall0 = time.perf_counter()
         gc_was_on = gc.isenabled()
         gc.disable()  # many small objects, no cycles worth chasing: markedly faster

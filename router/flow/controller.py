@@ -15,7 +15,18 @@ room. Contract:
   its `cost_tokens` to a *room* budget; the next queued item (in priority order, never
   reordered) is dispatched when its cost fits in the room, or when room is positive and nothing
   of this controller is left in flight (else a single large item could wait forever). Room
-  resets to 0 each time saturation begins. Not saturated: dispatch immediately.
+  resets to 0 each time saturation begins. Not saturated: dispatch immediately, as long as
+  the signal's projection (`SaturationDetector.admits`: the last snapshot plus what was
+  admitted since) stays below saturation; the rest waits for the next snapshot or release, so
+  a backlog drains at the pool's pace instead of all at once into the engines' own queues
+  (where bands no longer apply). With such a measuring signal, the room of a saturated spell
+  serves the ``continuing`` band only (unless nothing is in flight): completions that free
+  room do not make the pool less busy (its level is prefill and queue work, and a new session's
+  prompt is mostly uncached where the finished turn's was mostly cached), so handing their room
+  to new sessions would keep the engines' queues growing, and every continuing turn waits in
+  them; new and sheddable work waits here instead, until the level falls below the threshold,
+  and is shed by its TTL if it never does — the overload is absorbed by the lower bands. A
+  signal without `admits` (a test fake) gates on `saturated` and room alone.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -371,6 +382,9 @@ class FlowController:
         now = self._clock()
         self._expire(now)
         saturated = self._update_saturation(now)
+        admits = getattr(self.saturation, "admits", None)
+        levelled = admits is not None  # a measured level: room is for continuing turns
+        admitted = getattr(self.saturation, "admitted", None)
         while (item := self._next_item(now)) is not None:
             if item.future.cancelled():  # caller gone; its handler has not run yet
                 self._drop(item, _CANCELLED)
@@ -378,10 +392,14 @@ class FlowController:
                 continue
             if saturated:
                 fits = item.cost <= self._room or (self._room > 0 and self._in_flight == 0)
-                if not fits:
+                if not fits or (levelled and item.band != "continuing" and self._in_flight):
                     break
                 self._room = max(self._room - item.cost, 0)
+            elif admits is not None and not admits(item.cost):
+                break  # the backlog goes at the pool's pace: next snapshot or release
             self._dispatch(item, now)
+            if admitted is not None:
+                admitted(item.cost)
         self._arm_timer()
 
     def _dispatch(self, item: _Item, now: float) -> None:
@@ -400,6 +418,9 @@ class FlowController:
         self._in_flight -= 1
         self._in_flight_tokens -= ticket.cost_tokens
         self._service.charge(ticket.tenant, service_tokens - ticket.cost_tokens, now)
+        released = getattr(self.saturation, "released", None)
+        if released is not None:
+            released(ticket.cost_tokens)
         if self._update_saturation(now):
             self._room += ticket.cost_tokens
         self._pump()

@@ -9,6 +9,22 @@ Formula, over the snapshot of `WorkerLoad`s last given to `observe` (one per wor
     level     = mean_w s_w           (∞ when no worker is healthy: nothing can serve)
     saturated = level ≥ threshold
 
+Between snapshots the detector also projects the work admitted since the last one, which the
+snapshot cannot show yet (admission happens before routing books the request's load)::
+
+    projected = level + pending_tokens / (healthy workers · max_prefill_tokens)
+    pending_tokens: cost of the requests admitted since the last snapshot, minus the cost of
+                    requests released since then (≥ 0); reset by each snapshot
+    admits(cost)  ⇔  pending_tokens = 0  OR  projected + cost / (healthy · max_prefill_tokens)
+                                                < threshold
+
+`admits` is what the flow controller asks before each dispatch while the pool is not saturated:
+without it, the first snapshot below the threshold would release the whole backlog at once (at
+1.5× overload that is minutes of prefill queued inside the engines, where no band priority
+applies, and continuing turns wait behind it). The cost is the request's prompt tokens, an upper
+bound on the prefill it adds; the first admission after a snapshot always passes, so a request
+larger than the headroom is never starved.
+
 The per-worker terms and defaults follow llm-d's detector (``max(queue/5, kv/0.8)``, pool
 average). Unlike llm-d, a stale scrape does not make a worker count as saturated: this router
 always has its own in-flight prefill tokens per worker, so a scraper outage degrades to those
@@ -96,6 +112,8 @@ class SaturationDetector:
         self.config = config or SaturationConfig()
         self._level = 0.0
         self._observed_at: float | None = None
+        self._capacity_tokens = 0.0  # healthy workers · max_prefill_tokens (0: no snapshot)
+        self._pending = 0  # admitted − released since the last snapshot (tokens)
 
     def observe(self, loads: Sequence[WorkerLoad], now: float | None = None) -> float:
         """Take a new pool snapshot; returns the pool level."""
@@ -105,7 +123,30 @@ class SaturationDetector:
         else:
             self._level = sum(worker_saturation(w, self.config) for w in healthy) / len(healthy)
         self._observed_at = now
+        self._capacity_tokens = len(healthy) * self.config.max_prefill_tokens
+        self._pending = 0
         return self._level
+
+    def projected(self) -> float:
+        """The level plus the work admitted since the last snapshot (formula above)."""
+        if self._capacity_tokens <= 0:
+            return self._level
+        return self._level + self._pending / self._capacity_tokens
+
+    def admits(self, cost_tokens: int) -> bool:
+        """May a request of `cost_tokens` be dispatched now without the projection reaching
+        the threshold? Always True for the first admission after a snapshot."""
+        if self._pending <= 0 or self._capacity_tokens <= 0:
+            return True
+        return self.projected() + cost_tokens / self._capacity_tokens < self.config.threshold
+
+    def admitted(self, cost_tokens: int) -> None:
+        """A request of `cost_tokens` was dispatched (counts until the next snapshot)."""
+        self._pending += max(cost_tokens, 0)
+
+    def released(self, cost_tokens: int) -> None:
+        """A request of `cost_tokens` ended: its work has left the pool."""
+        self._pending = max(self._pending - max(cost_tokens, 0), 0)
 
     def level(self, now: float | None = None) -> float:
         """The pool level of the last snapshot (0 before the first)."""

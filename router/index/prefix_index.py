@@ -79,8 +79,14 @@ import random
 import sys
 import time
 import tracemalloc
+
+# `operator.and_` is `_operator.and_`; imported from the C module so that the repo's `operator/`
+# package (the Kubernetes operator) can never shadow it, whatever the working directory.
+from _operator import and_
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
 from typing import Protocol
 
 from beamserve.router.types import PrefixHit
@@ -214,6 +220,8 @@ class PrefixIndex:
         self._pred_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._pred_seq = itertools.count()
         self._group_kind: dict[int, str] = {0: _FULL, 1: _WINDOW}
+        # The last tuple of hashes folded, and its keys (`match` then `predict` of one prompt).
+        self._memo: tuple[tuple[int | bytes, ...], list[int]] = ((), [])
         self.events_applied = 0
         self.ignored_events = 0
 
@@ -426,15 +434,21 @@ class PrefixIndex:
         preds = self._pred_by_bit.setdefault(bit, {})
         blocks = self._blocks
         pred_mask = self._pred_mask
+        intern = self._intern
         added: list[int] = []
-        for key in _keys(block_hashes):
-            if blocks.get(key, 0) & pair == pair:
+        keys = self._keys_of(block_hashes)
+        for key, real in zip(keys, map(blocks.get, keys, repeat(0)), strict=True):
+            if real & pair == pair:
                 continue
             old = preds.get(key)
-            if old is None or old < expiry:
-                preds[key] = expiry
-                added.append(key)
-            pred_mask[key] = self._intern(pred_mask.get(key, 0) | pair)
+            if old is None:
+                pred_mask[key] = intern(pred_mask.get(key, 0) | pair)
+            elif old >= expiry:
+                continue
+            # A live prediction already has its bits in pred_mask (every path that drops a
+            # prediction clears them): a refresh only moves the expiry.
+            preds[key] = expiry
+            added.append(key)
         if added:
             heapq.heappush(self._pred_heap, (expiry, next(self._pred_seq), bit, tuple(added)))
 
@@ -475,6 +489,16 @@ class PrefixIndex:
 
     # -- reads -----------------------------------------------------------------------------
 
+    def _keys_of(self, block_hashes: Iterable[int | bytes]) -> list[int]:
+        """`_keys`, remembered for the last tuple (immutable: safe to reuse by identity)."""
+        memo_hashes, memo_keys = self._memo
+        if block_hashes is memo_hashes:
+            return memo_keys
+        keys = _keys(block_hashes)
+        if type(block_hashes) is tuple:
+            self._memo = (block_hashes, keys)
+        return keys
+
     def _candidates(self, workers: Iterable[str] | None) -> tuple[list[str], int]:
         ids = list(self._bit_of) if workers is None else list(workers)
         cand = 0
@@ -485,44 +509,62 @@ class PrefixIndex:
                 cand |= 1 << (2 * bit)
         return ids, cand
 
-    def _walk(
-        self, keys: list[int], cand: int
-    ) -> tuple[dict[int, int], list[int], list[tuple[int, int]]]:
-        """Leading full-group run per candidate: ({full bit position: k}, masks seen,
-        [(block, full bits only predicted)])."""
+    def _walk(self, keys: list[int], cand: int) -> dict[int, tuple[int, int]]:
+        """Leading full-group run per candidate: {full bit position: (k, blocks of 0..k-1
+        only predicted)}.
+
+        Two passes. (1) The real (event-fed) runs at C speed: masks from ``map(dict.get)``,
+        their running AND from `itertools.accumulate` (``acc[i]``: candidates holding blocks
+        ``0..i-1``, shrinking as ``i`` grows), and each point where candidates drop out from a
+        bisection of ``acc`` (at most one per candidate) — no Python-level loop over the
+        blocks. (2) Predictions can only extend a real run: a candidate whose real run stops
+        at block ``k`` continues while block ``k`` is real or predicted for it. Most runs stop
+        at a block nobody predicted, one lookup (shared by candidates stopping at the same
+        block); only a run that predictions really extend is walked block by block.
+        """
+        n = len(keys)
+        reals = list(map(self._blocks.get, keys, repeat(0, n)))
+        acc = list(accumulate(reals, and_, initial=cand))  # acc[i]: holders of blocks 0..i-1
+        real_runs: dict[int, int] = {}
+        alive, pos = cand, 0
+        while alive:
+            current = alive
+            end = bisect_left(acc, True, pos + 1, n + 1, key=current.__ne__)
+            alive = acc[end] if end <= n else 0
+            gone = current & ~alive
+            while gone:
+                low = gone & -gone
+                real_runs[low.bit_length() - 1] = end - 1
+                gone ^= low
+            pos = end
+        pred_mask = self._pred_mask
+        if not pred_mask:
+            return {b: (k, 0) for b, k in real_runs.items()}
+        runs: dict[int, tuple[int, int]] = {}
+        guess_at: dict[int, int] = {}
+        for b, k in real_runs.items():
+            fflag = 1 << b
+            guessed = 0
+            while k < n:
+                if not reals[k] & fflag:
+                    guess = guess_at.get(k)
+                    if guess is None:
+                        guess = guess_at[k] = pred_mask.get(keys[k], 0)
+                    if not guess & fflag:
+                        break
+                    guessed += 1
+                k += 1
+            runs[b] = (k, guessed)
+        return runs
+
+    def _window_and(self, keys: list[int], start: int, k: int) -> int:
+        """AND over blocks ``start..k-1`` of their masks, predictions included (-1: none)."""
         blocks = self._blocks
         pred_mask = self._pred_mask
-        alive = cand
-        runs: dict[int, int] = {}
-        seen: list[int] = []
-        predicted: list[tuple[int, int]] = []
-        for i, key in enumerate(keys):
-            real = blocks.get(key, 0)
-            mask = real
-            if pred_mask:
-                guess = pred_mask.get(key)
-                if guess:
-                    mask = real | guess
-                    only = guess & alive & ~real
-                    if only:
-                        predicted.append((i, only))
-            kept = alive & mask
-            if kept != alive:
-                gone = alive ^ kept
-                while gone:
-                    low = gone & -gone
-                    runs[low.bit_length() - 1] = i
-                    gone ^= low
-                alive = kept
-                if not alive:
-                    return runs, seen, predicted
-            seen.append(mask)
-        n = len(keys)
-        while alive:
-            low = alive & -alive
-            runs[low.bit_length() - 1] = n
-            alive ^= low
-        return runs, seen, predicted
+        out = -1
+        for key in keys[start:k]:
+            out &= blocks.get(key, 0) | pred_mask.get(key, 0)
+        return out
 
     @staticmethod
     def _window_start(k: int, block_size: int, sliding_window: int) -> int:
@@ -554,22 +596,31 @@ class PrefixIndex:
         ids, cand = self._candidates(workers)
         if self._pred_heap:
             self.expire(now)
-        runs, seen, predicted = self._walk(_keys(block_hashes), cand) if cand else ({}, [], [])
-        out: dict[str, PrefixHit] = {}
         empty = PrefixHit()
+        if not cand:
+            return dict.fromkeys(ids, empty)
+        keys = self._keys_of(block_hashes)
+        runs = self._walk(keys, cand)
+        out: dict[str, PrefixHit] = {}
         bit_of = self._bit_of
+        window_of: dict[int, int] = {}  # k → AND of the masks of k's window blocks
+        hits: dict[tuple[int, bool, int], PrefixHit] = {}  # equal hits share one (frozen) object
         for worker_id in ids:
             bit = bit_of.get(worker_id)
-            k = runs.get(2 * bit, 0) if bit is not None else 0
-            if bit is None or k == 0:
+            run = None if bit is None else runs.get(2 * bit)
+            if bit is None or run is None or run[0] == 0:
                 out[worker_id] = empty
                 continue
-            wflag = 1 << (2 * bit + 1)
-            start = self._window_start(k, block_size, sliding_window)
-            window_ok = all(seen[j] & wflag for j in range(start, k))
-            fflag = 1 << (2 * bit)
-            guessed = sum(1 for j, only in predicted if j < k and only & fflag)
-            out[worker_id] = PrefixHit(k, window_ok, guessed)
+            k, guessed = run
+            window = window_of.get(k)
+            if window is None:
+                start = self._window_start(k, block_size, sliding_window)
+                window = window_of[k] = self._window_and(keys, start, k)
+            shape = (k, bool(window >> (2 * bit + 1) & 1), guessed)
+            hit = hits.get(shape)
+            if hit is None:
+                hit = hits[shape] = PrefixHit(*shape)
+            out[worker_id] = hit
         return out
 
     def match_detailed(

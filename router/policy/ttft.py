@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from beamserve.router.policy.base import PluginParams
-from beamserve.router.policy.prefix_affinity import DEFAULT_SLIDING_WINDOW, effective_cached_tokens
+from beamserve.router.policy.prefix_affinity import DEFAULT_SLIDING_WINDOW
 from beamserve.router.types import RouteRequest, WorkerView
 from pydantic import Field
 
@@ -60,16 +60,23 @@ class TTFTEstimate:
 
 def estimate_ttft(view: WorkerView, request: RouteRequest, params: TTFTParams) -> TTFTEstimate:
     """The estimate and its terms (formula in the module docstring)."""
-    cached = effective_cached_tokens(
-        view.hit,
-        request.prompt_tokens,
-        block_size=params.block_size or view.endpoint.block_size,
-        sliding_window=params.sliding_window,
-        predicted_credit=params.predicted_credit,
-    )
-    uncached = max(request.prompt_tokens - cached, 0.0)
-    queued = max(view.load.prefill_tokens, 0)
-    decode = max(view.load.decode_tokens, 0)
+    # `effective_cached_tokens`, inlined (the router runs this per worker on every request);
+    # the same operations in the same order, so the same floats.
+    hit = view.hit
+    prompt = request.prompt_tokens
+    full = hit.full_blocks
+    if prompt <= 0 or full <= 0:
+        cached = 0.0
+    else:
+        predicted = min(max(hit.predicted_blocks, 0), full)
+        blocks = full - (1.0 - params.predicted_credit) * predicted
+        cached = min(blocks * (params.block_size or view.endpoint.block_size), float(prompt))
+        if not hit.window_ok:
+            cached = max(0.0, cached - params.sliding_window)
+    uncached = max(prompt - cached, 0.0)
+    load = view.load
+    queued = max(load.prefill_tokens, 0)
+    decode = max(load.decode_tokens, 0)
     work = queued + uncached + params.decode_interference * decode
     return TTFTEstimate(
         seconds=params.overhead_s + work / params.prefill_tok_s,
