@@ -18,7 +18,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 DEBS := libfabric1 redis-server
 PYTEST_ARGS ?=
 
-.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench clean
+.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route clean
 
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
@@ -79,6 +79,14 @@ lint: install
 
 bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json
+
+# The routing benchmarks of docs/bench/route.md (≈ 10 min on 2 cores; --capacity runs are longer).
+bench-route: install
+	$(VENV)/bin/beamserve bench route --trace ../shared/traces/claude-code --load 1 \
+	    --json bench-results/route-claude-code.json
+	$(VENV)/bin/beamserve bench route --trace ../shared/traces/mooncake/conversation_trace.jsonl \
+	    --load 1 --json bench-results/route-mooncake.json
+	$(VENV)/bin/beamserve bench route-overhead --json bench-results/route-overhead.json
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build bench-results *.egg-info
