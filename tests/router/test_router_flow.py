@@ -195,3 +195,46 @@ def test_garbage_bodies_never_get_a_5xx(spawn_worker: SpawnWorker) -> None:
         loop.run_until_complete(client.aclose())
         loop.run_until_complete(rt.stop())
         loop.close()
+
+
+def test_client_that_disconnects_while_queued_leaves_the_queue(spawn_worker: SpawnWorker) -> None:
+    import socket
+
+    import uvicorn
+
+    w = spawn_worker("--engine", "sim")
+    rt = runtime([w.url])
+    gate = Gate()
+    rt.flow.saturation = gate
+
+    async def main() -> None:
+        await rt.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(rt.app, log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
+            gate.closed = True
+            async with httpx.AsyncClient(timeout=30) as c:
+                waiting = asyncio.create_task(c.post(url, json=CHAT))
+                for _ in range(200):
+                    if rt.flow.stats().queued["new"] == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert rt.flow.stats().queued["new"] == 1
+                waiting.cancel()  # the client goes away: its connection closes
+            for _ in range(100):
+                if rt.flow.stats().queued["new"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            s = rt.flow.stats()
+            assert s.queued["new"] == 0 and s.cancelled["new"] == 1 and s.in_flight == 0
+        finally:
+            server.should_exit = True
+            await serving
+            await rt.stop()
+
+    asyncio.run(main())
