@@ -261,23 +261,33 @@ def test_publisher_restart_resets_the_worker_and_rebases() -> None:
     run(body)
 
 
+async def raw_publisher_and_subscriber() -> tuple[Any, PrefixIndex, KVEventSubscriber]:
+    """A bare ZMQ PUB (the test writes frames by hand) and a started subscriber of worker "w"."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = PrefixIndex()
+    sub = await started(
+        KVEventSubscriber(
+            "w", f"tcp://127.0.0.1:{port}", index, config=SubscriberConfig(idle_probe_s=None)
+        )
+    )
+    return pub, index, sub
+
+
+def stored_frames(seq: int, block_hash: int) -> list[bytes]:
+    """One message: a batch storing one 64-token block, with sequence number `seq`."""
+    from beamserve.workers.kv_events import encode_batch
+
+    payload = encode_batch(KVEventBatch(0.0, (BlockStored([block_hash], None, [], 64),)))
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
 def test_undecodable_payloads_and_malformed_messages_are_counted() -> None:
     async def body() -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        index = PrefixIndex()
-        sub = await started(
-            KVEventSubscriber(
-                "w", f"tcp://127.0.0.1:{port}", index, config=SubscriberConfig(idle_probe_s=None)
-            )
-        )
-        from beamserve.workers.kv_events import encode_batch
-
-        def good(seq: int, h: int) -> list[bytes]:
-            payload = encode_batch(KVEventBatch(0.0, (BlockStored([h], None, [], 64),)))
-            return [b"", seq.to_bytes(8, "big"), payload]
+        pub, index, sub = await raw_publisher_and_subscriber()
+        good = stored_frames
 
         try:
             pub.send_multipart(good(0, 10))
@@ -367,22 +377,8 @@ def test_subscriber_config_is_parsed_strictly() -> None:
 
 def test_seq_going_backwards_means_the_publisher_restarted() -> None:
     async def body() -> None:
-        from beamserve.workers.kv_events import encode_batch
-
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        index = PrefixIndex()
-        sub = await started(
-            KVEventSubscriber(
-                "w", f"tcp://127.0.0.1:{port}", index, config=SubscriberConfig(idle_probe_s=None)
-            )
-        )
-
-        def frames(seq: int, h: int) -> list[bytes]:
-            payload = encode_batch(KVEventBatch(0.0, (BlockStored([h], None, [], 64),)))
-            return [b"", seq.to_bytes(8, "big"), payload]
+        pub, index, sub = await raw_publisher_and_subscriber()
+        frames = stored_frames
 
         try:
             for seq in range(4):

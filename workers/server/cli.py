@@ -101,6 +101,20 @@ def _publisher(args: argparse.Namespace) -> Any:
     ).start()
 
 
+def _backend_args(args: argparse.Namespace) -> dict[str, Any]:
+    """What both engines' backends take from the command line."""
+    return {
+        "role": args.role,
+        "model_name": args.served_model_name,
+        "publisher": _publisher(args),
+        "handshake_host": args.host,
+        "handshake_port": args.handshake_port,
+        "advertise_host": args.advertise_host,
+        "lease_s": args.lease_s,
+        "kv_deadline_s": args.kv_deadline_s,
+    }
+
+
 async def _serve(args: argparse.Namespace) -> int:
     import structlog
     import uvicorn
@@ -115,17 +129,10 @@ async def _serve(args: argparse.Namespace) -> int:
         codec = load_codec(args.model)
         backend = SimBackend(
             codec,
-            role=args.role,
             profile=args.profile,
-            model_name=args.served_model_name,
             page_size=args.page_size or 64,
             speed=args.speed,
-            publisher=_publisher(args),
-            handshake_host=args.host,
-            handshake_port=args.handshake_port,
-            advertise_host=args.advertise_host,
-            lease_s=args.lease_s,
-            kv_deadline_s=args.kv_deadline_s,
+            **_backend_args(args),
         )
         await backend.start()
         if args.faults:
@@ -140,17 +147,10 @@ async def _serve(args: argparse.Namespace) -> int:
         backend = RefBackend(
             args.model,
             codec,
-            role=args.role,
-            model_name=args.served_model_name,
             tp_size=args.tp,
             transfer_backend=args.transfer_backend,
             page_size=args.page_size or 16,
-            publisher=_publisher(args),
-            handshake_host=args.host,
-            handshake_port=args.handshake_port,
-            advertise_host=args.advertise_host,
-            lease_s=args.lease_s,
-            kv_deadline_s=args.kv_deadline_s,
+            **_backend_args(args),
         )
         await backend.start()
 
