@@ -185,6 +185,7 @@ def test_sglang_surface(spawn_worker: SpawnWorker, tiny_checkpoint: Path) -> Non
         w.url + "/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 4}}
     ).json()
     assert len(r["output_ids"]) == 4 and r["meta_info"]["finish_reason"]["type"] == "length"
+    assert r["text"].replace(" ", "").isalpha()  # simulated output reads as words
     with httpx.stream(
         "POST",
         w.url + "/generate",

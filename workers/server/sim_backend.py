@@ -87,6 +87,7 @@ class SimBackend:
         self._engine: SimEngine | None = None
         self._http: httpx.AsyncClient | None = None
         self._counters = WorkerStats()
+        self._words: list[int] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,7 +166,9 @@ class SimBackend:
             raise BackendUnavailableError(str(exc)) from exc
 
     def _event(self, u: RequestUpdate, source: str) -> GenerateEvent:
-        ev = GenerateEvent(list(u.token_ids), kv_source=source)  # type: ignore[arg-type]
+        words = self._readable_ids()
+        ids = [words[t % len(words)] for t in u.token_ids] if words else list(u.token_ids)
+        ev = GenerateEvent(ids, kv_source=source)  # type: ignore[arg-type]
         if u.finished:
             ev.finish_reason = u.finish_reason
             ev.error = u.error
@@ -174,6 +177,21 @@ class SimBackend:
                 ev.prompt_tokens = u.metrics.prompt_tokens
                 ev.cached_tokens = u.metrics.cached_tokens
         return ev
+
+    def _readable_ids(self) -> list[int]:
+        """The ids of the checkpoint's vocabulary that decode to a plain word: the simulator's
+        output ids (uniform over the vocabulary) are mapped onto them, so answers read as words
+        rather than byte fragments. Empty for the approximate codec (its decoding is words)."""
+        if self._words is None:
+            tok = getattr(self.codec, "tokenizer", None)
+            words: list[int] = []
+            if tok is not None:
+                for i in range(self.codec.vocab_size):
+                    text = tok.decode([i]).strip()
+                    if len(text) >= 2 and text.isalpha() and text.isascii():
+                        words.append(i)
+            self._words = words
+        return self._words
 
     async def _prefill_leg(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         lease_id = inp.lease_id or inp.request_id
