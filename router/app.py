@@ -45,7 +45,7 @@ from beamserve.router.api.convert import (
     with_model,
 )
 from beamserve.router.api.errors import APIError
-from beamserve.router.api.models import ApiName, ParsedRequest, parse_request
+from beamserve.router.api.models import API_PATHS, ApiName, ParsedRequest, parse_request
 from beamserve.router.api.session import is_continuing_turn, session_id_from
 from beamserve.router.api.sse import UpstreamStreamError, translator_for
 from beamserve.router.core import RoutingCore
@@ -55,7 +55,7 @@ from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
 from beamserve.router.prompt import PromptHasher
-from beamserve.router.sessions import SessionStore
+from beamserve.router.sessions import SessionRecord, SessionStore
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -76,6 +76,9 @@ class KeyPolicy:
     priority: Band = "new"
     rate_per_s: float | None = None
     burst: int = 10
+
+
+ANONYMOUS = KeyPolicy(tenant="anonymous")
 
 
 @dataclass
@@ -158,7 +161,7 @@ class Router:
     def _authenticate(self, request: Request, dialect: api_errors.ErrorDialect) -> KeyPolicy:
         keys = self.settings.api_keys
         if not keys:
-            return KeyPolicy(tenant="anonymous")
+            return ANONYMOUS
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         key = key or request.headers.get("x-api-key", "")
@@ -219,26 +222,10 @@ class Router:
         call = to_upstream(parsed)
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        session_id, _source = session_id_from(
-            headers, call.messages_for_session or call.prompt or ""
-        )
-        prompt = self.hasher.key(call)
-        record = await self.sessions.get(session_id)
-        band = self._band(key, headers, record is not None, call)
-        max_tokens = call.max_tokens or self.settings.default_max_tokens
-        rreq = RouteRequest(
-            request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
-            prompt_tokens=prompt.prompt_tokens,
-            block_hashes=prompt.block_hashes,
-            session_id=session_id,
-            turn=(record.turns if record is not None else 0),
-            band=band,
-            max_tokens=max_tokens,
-            model=parsed.model or "",
-        )
+        rreq, record = await self.route_request(call, headers, key, parsed.model or "")
         hashing_s = time.perf_counter() - t0
-        tenant = session_id if key.tenant == "anonymous" else key.tenant
-        ticket = await self._admit(request, band, tenant, prompt.prompt_tokens, dialect)
+        tenant = (rreq.session_id or "") if key.tenant == "anonymous" else key.tenant
+        ticket = await self._admit(request, rreq.band, tenant, rreq.prompt_tokens, dialect)
         try:
             return await self._dispatch(
                 api, dialect, parsed, call, rreq, record.worker if record else None, ticket,
@@ -247,6 +234,33 @@ class Router:
         except BaseException:
             ticket.release(0)
             raise
+
+    async def route_request(
+        self,
+        call: UpstreamCall,
+        headers: Mapping[str, str],
+        key: KeyPolicy = ANONYMOUS,
+        model: str = "",
+    ) -> tuple[RouteRequest, SessionRecord | None]:
+        """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
+        its session (headers, else the conversation's opening), the prompt's token count and
+        block hashes, its band, and the session's record. `headers` have lower-case names."""
+        session_id, _source = session_id_from(
+            headers, call.messages_for_session or call.prompt or ""
+        )
+        prompt = self.hasher.key(call)
+        record = await self.sessions.get(session_id)
+        rreq = RouteRequest(
+            request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
+            prompt_tokens=prompt.prompt_tokens,
+            block_hashes=prompt.block_hashes,
+            session_id=session_id,
+            turn=(record.turns if record is not None else 0),
+            band=self._band(key, headers, record is not None, call),
+            max_tokens=call.max_tokens or self.settings.default_max_tokens,
+            model=model,
+        )
+        return rreq, record
 
     def _band(
         self, key: KeyPolicy, headers: Mapping[str, str], known: bool, call: UpstreamCall
@@ -470,12 +484,7 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="beamserve router")
     app.state.router = router
 
-    for api, path in (
-        ("chat", "/v1/chat/completions"),
-        ("completions", "/v1/completions"),
-        ("responses", "/v1/responses"),
-        ("messages", "/v1/messages"),
-    ):
+    for api, path in API_PATHS.items():
 
         async def endpoint(request: Request, _api: ApiName = api) -> Response:  # type: ignore[assignment]
             return await router.handle(_api, request)

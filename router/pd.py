@@ -23,6 +23,7 @@ stream with an error event.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -260,8 +261,6 @@ def _check_status(ep: Endpoint, status: int, text: str) -> None:
     if 400 <= status < 500 and status not in (408, 429):
         message = text[:500]
         try:
-            import json
-
             err = json.loads(text).get("error", {})
             message = err.get("message", message) if isinstance(err, dict) else message
         except ValueError:

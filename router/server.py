@@ -18,12 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import structlog
+from beamserve.router.api.convert import to_upstream
+from beamserve.router.api.errors import APIError
+from beamserve.router.api.models import API_PATHS, ApiName, parse_request
 from beamserve.router.app import Router, RouterSettings, build_router_app
 from beamserve.router.core import CoreConfig, RoutingCore
 from beamserve.router.discovery import Discovery
@@ -33,13 +38,14 @@ from beamserve.router.flow import (
     SaturationConfig,
     SaturationDetector,
 )
+from beamserve.router.grpc_api import PickResult, RouteQuery
 from beamserve.router.index import KVEventHub, PrefixIndex
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import Upstreams
-from beamserve.router.policy import ConditionalDisaggregation, build_policy
+from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
 from beamserve.router.prompt import PromptHasher
 from beamserve.router.sessions import make_session_store
-from beamserve.router.types import Endpoint
+from beamserve.router.types import Endpoint, RouteDecision
 from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger(__name__)
@@ -200,36 +206,11 @@ class GrpcGlue:
     def __init__(self, runtime: RouterRuntime) -> None:
         self.rt = runtime
 
-    def _route_request(self, call: Any, headers: dict[str, str], rid: str) -> Any:
-        from beamserve.router.api.session import is_continuing_turn, session_id_from
-        from beamserve.router.types import RouteRequest
-
-        hasher = self.rt.router.hasher
-        key = hasher.key(call)
-        sid, _ = session_id_from(headers, call.messages_for_session or call.prompt or "")
-        band = "continuing" if is_continuing_turn(call.messages_for_session) else "new"
-        if headers.get("x-beamserve-priority") == "sheddable":
-            band = "sheddable"
-        return RouteRequest(
-            rid, key.prompt_tokens, key.block_hashes, sid, band=band,  # type: ignore[arg-type]
-            max_tokens=call.max_tokens or 256,
-        )  # fmt: skip
-
-    async def pick(self, headers: Any, body: bytes) -> Any:
-        from beamserve.router.api.convert import to_upstream
-        from beamserve.router.api.errors import APIError
-        from beamserve.router.api.models import parse_request
-        from beamserve.router.grpc_api import PickResult
-        from beamserve.router.policy import NoCandidates
-
-        hdrs = {k.lower(): v for k, v in dict(headers).items()}
+    async def pick(self, headers: Mapping[str, str], body: bytes) -> PickResult:
+        """Envoy ext_proc: pick the decode worker for one request (nothing is proxied here)."""
+        hdrs = {k.lower(): v for k, v in headers.items()}
         path = hdrs.get(":path", "/v1/chat/completions").split("?")[0]
-        api = {
-            "/v1/chat/completions": "chat",
-            "/v1/completions": "completions",
-            "/v1/responses": "responses",
-            "/v1/messages": "messages",
-        }.get(path)
+        api = _API_OF_PATH.get(path)
         eps = self.rt.discovery.endpoints
         if api is None:  # not an inference call: any decode worker
             ready = [e for e in eps if e.can_decode and self.rt.loads.healthy(e.id)]
@@ -237,11 +218,10 @@ class GrpcGlue:
                 return PickResult.unavailable("no worker is ready")
             return PickResult.picked(_address(ready[0]))
         try:
-            call = to_upstream(parse_request(api, body, 64 * 1024 * 1024))  # type: ignore[arg-type]
+            call = to_upstream(parse_request(api, body, self.rt.router.settings.max_body_bytes))
         except APIError as err:
             return PickResult(endpoint=None, status=err.status, message=err.message)
-        rreq = self._route_request(call, hdrs, hdrs.get("x-request-id", "ext-proc"))
-        record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
+        rreq, record = await self.rt.router.route_request(call, hdrs)
         try:
             d = self.rt.core.decide(rreq, eps, record.worker if record else None)
         except NoCandidates as exc:
@@ -254,10 +234,8 @@ class GrpcGlue:
             headers_out.append(("x-prefiller-host-port", _address(d.prefill)))
         return PickResult.picked(_address(d.decode), set_headers=tuple(headers_out))
 
-    async def route(self, query: Any) -> Any:
+    async def route(self, query: RouteQuery) -> RouteDecision:
         """`beamserve.router.v1.Router/Route`: the decision only (nothing is sent)."""
-        from dataclasses import replace
-
         hasher = self.rt.router.hasher
         hashes = query.block_hashes
         n = query.prompt_tokens
@@ -270,8 +248,9 @@ class GrpcGlue:
         return self.rt.core.decide(rreq, self.rt.discovery.endpoints, warm)
 
 
-def _address(ep: Endpoint) -> str:
-    from urllib.parse import urlsplit
+_API_OF_PATH: dict[str, ApiName] = {path: api for api, path in API_PATHS.items()}
 
+
+def _address(ep: Endpoint) -> str:
     parts = urlsplit(ep.url)
     return f"{parts.hostname}:{parts.port}"

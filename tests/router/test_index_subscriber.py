@@ -91,6 +91,15 @@ def publisher(**kwargs: Any) -> KVEventPublisher:
     return KVEventPublisher(LOOPBACK, kwargs.pop("replay", LOOPBACK), **kwargs).start()
 
 
+async def subscribe(pub: KVEventPublisher, index: PrefixIndex, **kw: Any) -> KVEventSubscriber:
+    """A started subscriber of worker "w" to `pub` and its replay socket."""
+    return await started(
+        KVEventSubscriber(
+            "w", pub.bound_endpoint or "", index, replay_endpoint=pub.bound_replay_endpoint, **kw
+        )
+    )
+
+
 async def started(sub: KVEventSubscriber) -> KVEventSubscriber:
     sub.start()
     await until(sub.connected.is_set, what="SUB connected")
@@ -111,15 +120,8 @@ def test_dropped_batches_are_recovered_through_replay(wire_format: WireFormat) -
         )
         with publisher(wire_format=wire_format, fault_hook=hook) as pub:
             index = PrefixIndex()
-            sub = await started(
-                KVEventSubscriber(
-                    "w",
-                    pub.bound_endpoint or "",
-                    index,
-                    replay_endpoint=pub.bound_replay_endpoint,
-                    wire_format=wire_format,
-                    config=SubscriberConfig(idle_probe_s=0.2),
-                )
+            sub = await subscribe(
+                pub, index, wire_format=wire_format, config=SubscriberConfig(idle_probe_s=0.2)
             )
             for events in batches:
                 pub.publish_events(events)
@@ -147,15 +149,7 @@ def test_replay_ring_too_small_clears_the_worker_and_counts_a_resync() -> None:
         hook = lambda seq, b: FaultAction(drop=seq in drop)  # noqa: E731
         with publisher(buffer_steps=2, fault_hook=hook) as pub:
             index = PrefixIndex()
-            sub = await started(
-                KVEventSubscriber(
-                    "w",
-                    pub.bound_endpoint or "",
-                    index,
-                    replay_endpoint=pub.bound_replay_endpoint,
-                    config=SubscriberConfig(idle_probe_s=None),
-                )
-            )
+            sub = await subscribe(pub, index, config=SubscriberConfig(idle_probe_s=None))
             for event in stored[:6]:
                 pub.publish_events([event])
             # Seq 6 reveals the gap 2..5; by then the ring of 2 holds only 5 and 6.
@@ -213,14 +207,8 @@ def test_replay_from_start_catches_up_on_history_and_skips_duplicates() -> None:
                 pub.publish_events([BlockStored([i], None, [], 64)])
             assert pub.flush()
             index = PrefixIndex()
-            sub = await started(
-                KVEventSubscriber(
-                    "w",
-                    pub.bound_endpoint or "",
-                    index,
-                    replay_endpoint=pub.bound_replay_endpoint,
-                    config=SubscriberConfig(replay_from_start=True, idle_probe_s=None),
-                )
+            sub = await subscribe(
+                pub, index, config=SubscriberConfig(replay_from_start=True, idle_probe_s=None)
             )
             await until(lambda: sub.last_seq == 4, what="history replayed")
             pub.publish_events([BlockRemoved([0])])

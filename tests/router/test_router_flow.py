@@ -6,7 +6,9 @@ Retry-After in the client's own error shape, and nothing is left queued or in fl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -35,6 +37,18 @@ def runtime(urls: list[str], **config: Any) -> RouterRuntime:
     return rt
 
 
+@contextlib.asynccontextmanager
+async def serving(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
+    """The runtime started, and a client talking to its app in process (over ASGI)."""
+    await rt.start()
+    try:
+        t = httpx.ASGITransport(app=rt.app)
+        async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=30) as c:
+            yield c
+    finally:
+        await rt.stop()
+
+
 def test_api_keys_rate_limits_and_classes(spawn_worker: SpawnWorker) -> None:
     w = spawn_worker("--engine", "sim")
     keys = {
@@ -44,27 +58,22 @@ def test_api_keys_rate_limits_and_classes(spawn_worker: SpawnWorker) -> None:
     rt = runtime([w.url], settings=RouterSettings(api_keys=keys))
 
     async def main() -> None:
-        await rt.start()
-        try:
-            t = httpx.ASGITransport(app=rt.app)
-            async with httpx.AsyncClient(transport=t, base_url="http://router") as c:
-                r = await c.post("/v1/chat/completions", json=CHAT)
-                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-                r = await c.post("/v1/messages", json={"model": "beam", "max_tokens": 2,
-                                 "messages": [{"role": "user", "content": "x"}]},
-                                 headers={"x-api-key": "wrong"})  # fmt: skip
-                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-                auth = {"authorization": "Bearer k-user"}
-                codes = [(await c.post("/v1/chat/completions", json=CHAT, headers=auth))
-                         for _ in range(3)]  # fmt: skip
-                assert [r.status_code for r in codes] == [200, 200, 429]
-                assert int(codes[2].headers["retry-after"]) >= 1
-                r = await c.post(
-                    "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k-batch"}
-                )
-                assert r.status_code == 200 and "band=sheddable" in r.headers["x-beamserve-route"]
-        finally:
-            await rt.stop()
+        async with serving(rt) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = await c.post("/v1/messages", json={"model": "beam", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "x"}]},
+                             headers={"x-api-key": "wrong"})  # fmt: skip
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            auth = {"authorization": "Bearer k-user"}
+            codes = [(await c.post("/v1/chat/completions", json=CHAT, headers=auth))
+                     for _ in range(3)]  # fmt: skip
+            assert [r.status_code for r in codes] == [200, 200, 429]
+            assert int(codes[2].headers["retry-after"]) >= 1
+            r = await c.post(
+                "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k-batch"}
+            )
+            assert r.status_code == 200 and "band=sheddable" in r.headers["x-beamserve-route"]
 
     asyncio.run(main())
 
@@ -92,37 +101,32 @@ def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
         return {**CHAT, "messages": msgs}
 
     async def main() -> None:
-        await rt.start()
-        try:
-            t = httpx.ASGITransport(app=rt.app)
-            async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=30) as c:
-                gate.closed = True
-                low = {"x-beamserve-priority": "sheddable"}
-                url = "/v1/chat/completions"
-                shed = asyncio.create_task(c.post(url, json=turn("a", "x", False), headers=low))
-                await asyncio.sleep(0.2)
-                new = [asyncio.create_task(c.post("/v1/chat/completions",
-                       json=turn(f"n{i}", f"new {i}", False))) for i in range(2)]  # fmt: skip
-                await asyncio.sleep(0.2)
-                # the queue (3) is full: a continuing turn evicts the sheddable one
-                cont = asyncio.create_task(c.post("/v1/chat/completions",
-                                           json=turn("c", "continue", True)))  # fmt: skip
-                r = await shed
-                assert r.status_code == 429, r.text
-                assert r.json()["error"]["type"] == "requests"
-                assert int(r.headers["retry-after"]) >= 1
-                assert rt.flow.stats().queued["continuing"] == 1
-                gate.closed = False
-                rt.flow.poll()
-                answers = await asyncio.gather(cont, *new)
-                assert [a.status_code for a in answers] == [200, 200, 200]
-                assert order == ["continuing", "new", "new"]
-                s = rt.flow.stats()
-                assert sum(s.queued.values()) == 0 and s.in_flight == 0
-                m = (await c.get("/metrics")).text
-                assert 'beamserve_router_shed_total{band="sheddable",reason="overload"} 1.0' in m
-        finally:
-            await rt.stop()
+        async with serving(rt) as c:
+            gate.closed = True
+            low = {"x-beamserve-priority": "sheddable"}
+            url = "/v1/chat/completions"
+            shed = asyncio.create_task(c.post(url, json=turn("a", "x", False), headers=low))
+            await asyncio.sleep(0.2)
+            new = [asyncio.create_task(c.post("/v1/chat/completions",
+                   json=turn(f"n{i}", f"new {i}", False))) for i in range(2)]  # fmt: skip
+            await asyncio.sleep(0.2)
+            # the queue (3) is full: a continuing turn evicts the sheddable one
+            cont = asyncio.create_task(c.post("/v1/chat/completions",
+                                       json=turn("c", "continue", True)))  # fmt: skip
+            r = await shed
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["type"] == "requests"
+            assert int(r.headers["retry-after"]) >= 1
+            assert rt.flow.stats().queued["continuing"] == 1
+            gate.closed = False
+            rt.flow.poll()
+            answers = await asyncio.gather(cont, *new)
+            assert [a.status_code for a in answers] == [200, 200, 200]
+            assert order == ["continuing", "new", "new"]
+            s = rt.flow.stats()
+            assert sum(s.queued.values()) == 0 and s.in_flight == 0
+            m = (await c.get("/metrics")).text
+            assert 'beamserve_router_shed_total{band="sheddable",reason="overload"} 1.0' in m
 
     asyncio.run(main())
 
@@ -135,18 +139,13 @@ def test_anthropic_shed_shape(spawn_worker: SpawnWorker) -> None:
     body = {"model": "beam", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
 
     async def main() -> None:
-        await rt.start()
-        try:
-            t = httpx.ASGITransport(app=rt.app)
-            async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=30) as c:
-                gate.closed = True
-                r = await c.post("/v1/messages", json=body)  # waits 0.3 s, then expires
-                assert r.status_code == 529, r.text
-                assert r.json() == {"type": "error", "error": json.loads(r.text)["error"]}
-                assert r.json()["error"]["type"] == "overloaded_error"
-                assert "retry-after" in r.headers
-        finally:
-            await rt.stop()
+        async with serving(rt) as c:
+            gate.closed = True
+            r = await c.post("/v1/messages", json=body)  # waits 0.3 s, then expires
+            assert r.status_code == 529, r.text
+            assert r.json() == {"type": "error", "error": json.loads(r.text)["error"]}
+            assert r.json()["error"]["type"] == "overloaded_error"
+            assert "retry-after" in r.headers
 
     asyncio.run(main())
 

@@ -92,6 +92,24 @@ async def _json(request: Request) -> dict[str, Any]:
     return body
 
 
+def sglang_input(
+    backend: Backend, rid: str, prompt: list[int], max_tokens: int, body: dict[str, Any]
+) -> GenerateInput:
+    """SGLang's P/D legs carry the same bootstrap fields: on a prefill worker the request is
+    the prefill leg (its KV published under the room), elsewhere the decode leg."""
+    handoff = parse_bootstrap(body)
+    prefill_leg = handoff is not None and backend.role == "prefill"
+    return GenerateInput(
+        rid,
+        tuple(prompt),
+        max_tokens,
+        prefill_leg=prefill_leg,
+        lease_id=handoff.lease_id if prefill_leg and handoff else None,
+        handoff=None if prefill_leg else handoff,
+        handoff_style="sglang",
+    )
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -212,17 +230,7 @@ def build_worker_app(
         rid = str(body.get("request_id") or request.headers.get("x-request-id") or "")
         rid = rid or f"cmpl-{uuid.uuid4().hex}"
         if api == "sglang":
-            handoff = parse_bootstrap(body)
-            prefill_leg = handoff is not None and backend.role == "prefill"
-            return GenerateInput(
-                rid,
-                tuple(prompt),
-                _max_tokens(body),
-                prefill_leg=prefill_leg,
-                lease_id=handoff.lease_id if prefill_leg and handoff else None,
-                handoff=None if prefill_leg else handoff,
-                handoff_style="sglang",
-            )
+            return sglang_input(backend, rid, prompt, _max_tokens(body), body)
         prefill_leg, handoff = parse_kv_transfer_params(body.get("kv_transfer_params"))
         if prefill_leg and backend.handshake_url is None:
             raise BadRequest(
@@ -521,18 +529,8 @@ def _add_sglang_routes(
         max_new = _int_field(params, "max_new_tokens", 128)
         assert max_new is not None
         check_length(len(prompt), max_new, "input_ids" if "input_ids" in body else "text")
-        handoff = parse_bootstrap(body)
-        prefill_leg = handoff is not None and backend.role == "prefill"
         rid = str(body.get("rid") or f"{uuid.uuid4().hex}")
-        inp = GenerateInput(
-            rid,
-            tuple(prompt),
-            max_new,
-            prefill_leg=prefill_leg,
-            lease_id=handoff.lease_id if prefill_leg and handoff else None,
-            handoff=None if prefill_leg else handoff,
-            handoff_style="sglang",
-        )
+        inp = sglang_input(backend, rid, prompt, max_new, body)
         t0 = time.monotonic()
 
         def meta(ev: GenerateEvent, n_out: int) -> dict[str, Any]:

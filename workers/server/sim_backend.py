@@ -101,6 +101,7 @@ class SimBackend:
         sink = self._publish if self._publisher is not None else None
         self._engine = SimEngine(config, RealClock(self._speed), kv_events=sink)
         self._http = httpx.AsyncClient()
+        self._readable_ids()  # once at start, not on the first request
         if self.role in ("prefill", "both"):
             self._handshake = HandshakeServer(
                 self.leases.app(), host=self._hs_host, port=self._hs_port
