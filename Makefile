@@ -15,10 +15,14 @@ SGLANG_VENV := .venv-sglang
 VLLM_VENV := .venv-vllm
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The peer routers of `beamserve bench agentic` (smg, vllm-router), pinned in router/bench/peers.txt.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
 DEBS := libfabric1 redis-server
 PYTEST_ARGS ?=
 
-.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route clean
+.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route peers \
+	bench-agentic clean
 
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
@@ -51,6 +55,14 @@ $(VLLM_STAMP): $(CONTRACT)/vllm-parser-cpu.txt
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(CONTRACT)/vllm-parser-cpu.txt
 	touch $@
+
+# smg 1.13.0 (SGLang Model Gateway) and vllm-router 0.1.17 with their dependencies (≈ 300 MB).
+$(PEERS_STAMP): router/bench/peers.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q -r router/bench/peers.txt
+	touch $@
+
+peers: $(PEERS_STAMP)
 
 demo: install
 	$(VENV)/bin/beamserve demo
@@ -88,5 +100,13 @@ bench-route: install
 	    --load 1 --json bench-results/route-mooncake.json
 	$(VENV)/bin/beamserve bench route-overhead --json bench-results/route-overhead.json
 
+# Routers side by side over real HTTP on sim workers (docs/bench/agentic.md). AGENTIC_ARGS picks
+# the workload; the default (all 64 sessions, first 16 turns each, think times × 0.1 capped at
+# 10 s, concurrency 1…64, 4 workers, all routers) takes ≈ 3 h on 2 cores.
+AGENTIC_ARGS ?= --max-turns 16 --think-scale 0.1 --max-think-s 10
+bench-agentic: install peers
+	$(VENV)/bin/beamserve bench agentic $(AGENTIC_ARGS) --json bench-results/agentic.json
+	$(VENV)/bin/beamserve bench wire-overhead --json bench-results/wire-overhead.json
+
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) build bench-results *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) $(PEERS_VENV) build bench-results *.egg-info

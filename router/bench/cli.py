@@ -13,8 +13,26 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .agentic_cli import (  # `bench agentic` / `bench wire-overhead` (argparse only)
+    add_bench_agentic,
+    add_bench_wire_overhead,
+    agentic_main,
+    wire_overhead_main,
+)
+
 if TYPE_CHECKING:
     from rich.console import Console
+
+__all__ = [
+    "add_bench_agentic",
+    "add_bench_route",
+    "add_bench_route_overhead",
+    "add_bench_wire_overhead",
+    "agentic_main",
+    "route_main",
+    "route_overhead_main",
+    "wire_overhead_main",
+]
 
 DEFAULT_POLICIES = "round-robin,least-load,prefix-only,beamserve,oracle"
 

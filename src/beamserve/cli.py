@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     route_bench_cli.add_bench_route(bsub)
     route_bench_cli.add_bench_route_overhead(bsub)
+    route_bench_cli.add_bench_agentic(bsub)
+    route_bench_cli.add_bench_wire_overhead(bsub)
 
     from beamserve.workers.ref import cli as ref_cli  # parsers only: imports no torch
 
@@ -129,6 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.router.bench.cli import route_overhead_main
 
         return route_overhead_main(args, console)
+    if args.command == "bench" and args.bench == "agentic":
+        from beamserve.router.bench.cli import agentic_main
+
+        return agentic_main(args, console)
+    if args.command == "bench" and args.bench == "wire-overhead":
+        from beamserve.router.bench.cli import wire_overhead_main
+
+        return wire_overhead_main(args, console)
     if args.command == "router":
         from beamserve.router.cli import router_main
 

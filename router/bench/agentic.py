@@ -1,0 +1,449 @@
+"""`beamserve bench agentic`: routers side by side over real HTTP on the same simulated workers.
+
+Two modes:
+
+* self-contained (default): for every concurrency level and every router under test, start
+  `--workers` fresh ``beamserve worker --engine sim --api sglang --profile P`` processes on free
+  loopback ports (cold caches), the router in front of them, replay, and stop everything;
+* ``--target URL [--peer NAME=URL ...]``: routers already running (workers are the user's
+  business; `--workers` then only says how many stand behind them, for the per-GPU figures).
+  Each (router, level) run salts its prompt texts and session ids, so a level never hits the
+  cache a previous one left.
+
+The workload (`agentic_workload`): claude-code sessions, closed loop — at most C sessions active
+at once, each playing its turns in order, each turn sent once the previous answer has ended and
+the turn's think time has passed. Requests: ``POST /v1/chat/completions`` with the session's
+text so far as chat messages, ``max_tokens`` = the trace's output scaled and capped,
+``stream: true`` with ``stream_options.include_usage``, header ``x-session-id``. Figures:
+`agentic_stats`; the router's CPU time (self-started routers): utime + stime of its process
+tree from ``/proc`` before and after the level, per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .agentic_procs import (
+    ROUTERS,
+    ProcError,
+    Procs,
+    RouterSpec,
+    package_version,
+    sigterm_as_exception,
+    start_router,
+    start_workers,
+    tree_cpu_seconds,
+)
+from .agentic_stats import SLO_TOK_S, SLO_TTFT_S, RequestRecord, summarize
+from .agentic_workload import PromptBuilder, Session, Turn
+
+MODEL = "beam"
+
+
+@dataclass
+class AgenticConfig:
+    sessions: list[Session]
+    block_tokens: int
+    concurrency: list[int]
+    routers: list[str] = field(default_factory=list)  # self-contained mode
+    targets: list[tuple[str, str]] = field(default_factory=list)  # (name, url): target mode
+    workers: int = 4
+    profile: str = "h200-bf16-tp8"
+    max_model_len: int | None = 262_144
+    request_timeout_s: float = 600.0
+    slo_ttft_s: float = SLO_TTFT_S
+    slo_tok_s: float = SLO_TOK_S
+    logs: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # echoed into every JSON object
+
+
+def gpus_per_worker(profile: str) -> int:
+    from beamserve.workers.sim.profiles import get_profile
+
+    return int(get_profile(profile).gpus)
+
+
+# --- one request, one level --------------------------------------------------------------------
+
+
+async def send_turn(
+    client: httpx.AsyncClient,
+    url: str,
+    session: str,
+    turn: Turn,
+    messages: list[dict[str, str]],
+    *,
+    session_header: str,
+) -> RequestRecord:
+    """One streamed chat request; the record says how it went (never raises for HTTP)."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": turn.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    rec = RequestRecord(session=session, turn=turn.index, sent=time.perf_counter(), end=0.0)
+    chunks = 0
+    done = False
+    try:
+        async with client.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"x-session-id": session_header},
+        ) as resp:
+            if resp.status_code != 200:
+                rec.detail = (await resp.aread()).decode(errors="replace")[:300]
+                rec.status = str(resp.status_code)
+                rec.end = time.perf_counter()
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                if obj.get("error"):
+                    rec.status, rec.detail = "stream", str(obj["error"])[:300]
+                    break
+                for ch in obj.get("choices") or ():
+                    delta = ch.get("delta") or {}
+                    if delta.get("content") or delta.get("reasoning_content"):
+                        chunks += 1
+                        if rec.first_token is None:
+                            rec.first_token = time.perf_counter()
+                usage = obj.get("usage")
+                if usage:
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
+    except httpx.TimeoutException as exc:
+        rec.status, rec.detail = "timeout", repr(exc)[:300]
+    except httpx.ConnectError as exc:
+        rec.status, rec.detail = "connect", repr(exc)[:300]
+    except httpx.HTTPError as exc:
+        rec.status, rec.detail = "stream", repr(exc)[:300]
+    rec.end = time.perf_counter()
+    if rec.ok and not done:
+        rec.status = "stream"
+        rec.detail = rec.detail or "the stream ended without [DONE]"
+    if rec.ok and rec.output_tokens == 0:
+        rec.output_tokens = chunks
+    return rec
+
+
+async def run_level(
+    url: str,
+    sessions: Sequence[Session],
+    concurrency: int,
+    builder: PromptBuilder,
+    *,
+    session_prefix: str = "",
+    request_timeout_s: float = 600.0,
+    on_request: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """The closed loop of the module docstring; (records, seconds from start to last answer)."""
+    queue: asyncio.Queue[Session] = asyncio.Queue()
+    for s in sessions:
+        queue.put_nowait(s)
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 8))
+    timeout = httpx.Timeout(request_timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def player() -> None:
+            while True:
+                try:
+                    s = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                for turn in s.turns:
+                    if turn.think_s > 0:
+                        await asyncio.sleep(turn.think_s)
+                    rec = await send_turn(
+                        client,
+                        url,
+                        s.name,
+                        turn,
+                        builder.messages(s.name, turn.hash_ids),
+                        session_header=session_prefix + s.name,
+                    )
+                    records.append(rec)
+                    if on_request is not None:
+                        on_request(rec)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(player() for _ in range(max(1, concurrency))))
+        t1 = time.perf_counter()
+    return records, t1 - t0
+
+
+# --- the whole comparison ----------------------------------------------------------------------
+
+
+@dataclass
+class LevelResult:
+    router: str
+    concurrency: int
+    data: dict[str, Any]
+
+    @property
+    def skipped(self) -> str | None:
+        s = self.data.get("skipped")
+        return str(s) if s else None
+
+
+def _versions(spec: RouterSpec | None) -> dict[str, str | None]:
+    out = {"beamserve": package_version("beamserve", "beamserve")}
+    if spec is not None:
+        out[spec.package] = spec.version()
+    return out
+
+
+def run_agentic(
+    cfg: AgenticConfig,
+    *,
+    say: Callable[[str], None] = print,
+    progress: Any = None,
+) -> list[LevelResult]:
+    """Every (level, router) run; routers that cannot run are skipped with a message.
+
+    `progress`: a rich `Progress` (optional) that gets an overall task and one per run."""
+    gpw = gpus_per_worker(cfg.profile)
+    n_requests = sum(s.requests for s in cfg.sessions)
+    specs: list[RouterSpec] = []
+    skipped: dict[str, str] = {}
+    for name in cfg.routers:
+        wanted = ROUTERS[name]
+        why = wanted.unavailable()
+        if why is not None:
+            skipped[name] = why
+            say(f"skipping {name}: {why}")
+        else:
+            specs.append(wanted)
+    runs: list[tuple[str, RouterSpec | None, str | None]] = [(s.name, s, None) for s in specs]
+    runs += [(name, None, url) for name, url in cfg.targets]
+    overall = None
+    if progress is not None:
+        overall = progress.add_task("all runs", total=len(runs) * len(cfg.concurrency))
+    results: list[LevelResult] = []
+    common = {
+        "mode": "target" if cfg.targets else "self-contained",
+        "workers": cfg.workers,
+        "profile": cfg.profile,
+        "gpus_per_worker": gpw,
+        "gpus": cfg.workers * gpw,
+        "sessions": len(cfg.sessions),
+        "session_names": [s.name for s in cfg.sessions],
+        "block_tokens": cfg.block_tokens,
+        "worker_max_model_len": cfg.max_model_len,
+        "command": " ".join(sys.argv),
+        **cfg.extra,
+    }
+    with sigterm_as_exception():
+        for level in cfg.concurrency:
+            for name, spec, target_url in runs:
+                task = None
+                if progress is not None:
+                    task = progress.add_task(f"{name} @ C={level}", total=n_requests)
+                data: dict[str, Any] = {"router": name, "concurrency": level, **common}
+                data["versions"] = _versions(spec)
+                if spec is not None:
+                    data |= {"kind": spec.kind, "policy": spec.policy}
+                try:
+                    data |= _one_run(cfg, level, spec, target_url, progress, task)
+                except ProcError as exc:
+                    data["skipped"] = f"did not start: {str(exc).splitlines()[0]}"
+                    say(f"[red]skipping {name} @ C={level}: {exc}")
+                if progress is not None and task is not None:
+                    progress.remove_task(task)
+                if progress is not None and overall is not None:
+                    progress.advance(overall)
+                results.append(LevelResult(name, level, data))
+    for name, why in skipped.items():
+        for level in cfg.concurrency:
+            results.append(
+                LevelResult(
+                    name,
+                    level,
+                    {"router": name, "concurrency": level, "skipped": why, **common},
+                )
+            )
+    return results
+
+
+def _one_run(
+    cfg: AgenticConfig,
+    level: int,
+    spec: RouterSpec | None,
+    target_url: str | None,
+    progress: Any,
+    task: Any,
+) -> dict[str, Any]:
+    gpus = cfg.workers * gpus_per_worker(cfg.profile)
+
+    def tick(_: RequestRecord) -> None:
+        if progress is not None and task is not None:
+            progress.advance(task)
+
+    if target_url is not None:
+        salt = f"{target_url}|c{level}|{time.time_ns()}"
+        builder = PromptBuilder(cfg.block_tokens, salt=salt)
+        records, dur = asyncio.run(
+            run_level(
+                target_url.rstrip("/"),
+                cfg.sessions,
+                level,
+                builder,
+                session_prefix=f"{time.time_ns() % 10**9}-",
+                request_timeout_s=cfg.request_timeout_s,
+                on_request=tick,
+            )
+        )
+        out = _figures(records, dur, gpus, cfg)
+        out |= {"url": target_url, "router_cpu_s": None, "router_cpu_s_per_request": None}
+        return out
+    assert spec is not None
+    logs = cfg.logs / f"{spec.name}-c{level}" if cfg.logs is not None else None
+    with Procs(keep_logs=logs) as procs:
+        workers = start_workers(procs, cfg.workers, cfg.profile, max_model_len=cfg.max_model_len)
+        router = start_router(procs, spec, workers)
+        builder = PromptBuilder(cfg.block_tokens)
+        cpu0 = tree_cpu_seconds(router.proc.pid)
+        records, dur = asyncio.run(
+            run_level(
+                router.url,
+                cfg.sessions,
+                level,
+                builder,
+                request_timeout_s=cfg.request_timeout_s,
+                on_request=tick,
+            )
+        )
+        cpu1 = tree_cpu_seconds(router.proc.pid)
+        alive = router.proc.alive()
+    out = _figures(records, dur, gpus, cfg)
+    cpu = cpu1 - cpu0
+    out |= {
+        "url": router.url,
+        "router_command": router.argv,
+        "router_cpu_s": cpu,
+        "router_cpu_s_per_request": cpu / len(records) if records else None,
+        "router_alive_at_end": alive,
+    }
+    return out
+
+
+def _figures(
+    records: list[RequestRecord], dur: float, gpus: int, cfg: AgenticConfig
+) -> dict[str, Any]:
+    stats = summarize(
+        records, gpus=gpus, duration_s=dur, slo_ttft_s=cfg.slo_ttft_s, slo_tok_s=cfg.slo_tok_s
+    )
+    out = stats.to_json()
+    samples = [f"{r.status}: {r.detail}" for r in records if not r.ok][:3]
+    if samples:
+        out["error_samples"] = samples
+    return out
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return format(x, fmt)
+
+
+def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
+    """One rich table per concurrency level."""
+    from rich.table import Table
+
+    out = []
+    for level in sorted({r.concurrency for r in results}):
+        t = Table(title=f"{title} — concurrency {level}")
+        for c in ("router", "ok/req", "errors", "tok/s/GPU", "out tok/s/GPU", "TTFT p50",
+                  "p90", "p99", "user tok/s p50", "p90", "hit", "goodput r/s",
+                  "router CPU ms/req"):  # fmt: skip
+            t.add_column(c, justify="left" if c == "router" else "right")
+        for r in results:
+            if r.concurrency != level:
+                continue
+            d = r.data
+            if r.skipped:
+                t.add_row(r.router, "skipped", r.skipped[:60], *[""] * 10)
+                continue
+            errs = ", ".join(f"{k}×{v}" for k, v in d["errors"].items()) or "0"
+            cpu = d.get("router_cpu_s_per_request")
+            t.add_row(
+                r.router,
+                f"{d['ok']}/{d['requests']}",
+                errs,
+                _f(d["total_tok_s_per_gpu"], ",.0f"),
+                _f(d["output_tok_s_per_gpu"], ",.1f"),
+                _f(d["ttft_p50_s"], ".3f"),
+                _f(d["ttft_p90_s"], ".3f"),
+                _f(d["ttft_p99_s"], ".3f"),
+                _f(d["user_tok_s_p50"], ".1f"),
+                _f(d["user_tok_s_p90"], ".1f"),
+                _f(d["cache_hit_ratio"], ".3f"),
+                _f(d["goodput_rps"], ".3f"),
+                _f(cpu * 1e3 if cpu is not None else None, ".1f"),
+            )
+        out.append(t)
+    return out
+
+
+def write_json(results: Sequence[LevelResult], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([r.data for r in results], indent=2) + "\n")
+
+
+def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
+    """Output tok/s per GPU (y) against per-user tok/s p50 (x), one curve per router, points
+    labelled by concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name in dict.fromkeys(r.router for r in results):
+        pts = sorted(
+            (r.concurrency, r.data["user_tok_s_p50"], r.data["output_tok_s_per_gpu"])
+            for r in results
+            if r.router == name and not r.skipped and r.data.get("user_tok_s_p50") is not None
+        )
+        if not pts:
+            continue
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=name)
+        for c, x, y in pts:
+            ax.annotate(f"C={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("per-user output tok/s (p50)")
+    ax.set_ylabel("output tok/s per GPU")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

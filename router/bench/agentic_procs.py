@@ -1,0 +1,418 @@
+"""`beamserve bench agentic`: the processes it starts — sim workers and the routers under test.
+
+Every process runs in its own session (process group), with stdout and stderr in files of a
+temporary log folder; `Procs` stops them all — SIGTERM to the group, SIGKILL after a grace
+period — when its ``with`` block ends, on an exception or Ctrl-C alike, and an ``atexit`` hook
+catches whatever a crash leaves behind. The bench turns SIGTERM into an exception so that the
+same path runs.
+
+Routers (`ROUTERS`): ``beamserve`` (``beamserve router``, KV events wired from every worker);
+the SGLang Model Gateway ``smg`` 1.13 and ``sglang-router`` 0.3.2, each with ``cache_aware`` and
+``round_robin``; ``vllm-router`` 0.1.17 with ``sticky_least_loaded`` (its session policy: the
+best it offers here, as its ``kv_aware`` policy needs the checkpoint's tokenizer to hash
+prompts and the sim workers run without one) and ``cache_aware``. ``sglang-router`` runs from
+this venv (a test dependency); ``smg`` and ``vllm-router`` from ``.venv-peers``
+(``make peers``, pins in ``router/bench/peers.txt``), or the venv `BEAMSERVE_PEERS_VENV` names.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SIM_ARGS = ("--engine", "sim", "--api", "sglang")
+_LIVE: set[ManagedProc] = set()
+
+
+class ProcError(RuntimeError):
+    """A process that did not start or become ready; the message carries its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def beamserve_exe() -> str:
+    exe = Path(sys.executable).parent / "beamserve"
+    return str(exe) if exe.exists() else shutil.which("beamserve") or "beamserve"
+
+
+def peers_venv() -> Path:
+    env = os.environ.get("BEAMSERVE_PEERS_VENV")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / ".venv-peers"
+
+
+class ManagedProc:
+    """One child process in its own process group, logging to files."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_dir: Path, *, cwd: str | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.out_path = log_dir / f"{name}.out"
+        self.err_path = log_dir / f"{name}.err"
+        with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=cwd or "/",  # never the repository root: ./operator shadows the stdlib
+                start_new_session=True,
+                env={**os.environ, "BEAMSERVE_LOG_JSON": "1"},
+            )
+        self.pid = self.proc.pid
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 2000) -> str:
+        parts = []
+        for p in (self.err_path, self.out_path):
+            with contextlib.suppress(OSError):
+                parts.append(p.read_text(errors="replace")[-n:])
+        return "\n".join(x for x in parts if x.strip())
+
+    def ready_line(self, timeout_s: float) -> dict[str, Any]:
+        """The first JSON object line on stdout (the `*_ready` line of beamserve processes)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                for line in self.out_path.read_text(errors="replace").splitlines():
+                    if line.startswith("{"):
+                        with contextlib.suppress(json.JSONDecodeError):
+                            info: dict[str, Any] = json.loads(line)
+                            if "url" in info:
+                                return info
+            if not self.alive():
+                break
+            time.sleep(0.05)
+        raise ProcError(f"{self.name} did not become ready: {' '.join(self.argv)}\n{self.tail()}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        _LIVE.discard(self)
+        if self.proc.poll() is not None:
+            _reap_group(self.pid)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        _reap_group(self.pid)
+
+
+def _reap_group(pgid: int) -> None:
+    """SIGKILL what is left of a process group (a peer's forked children)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for p in list(_LIVE):
+        with contextlib.suppress(Exception):
+            p.stop(grace_s=2.0)
+
+
+class Procs(contextlib.AbstractContextManager["Procs"]):
+    """The processes of one run; all stopped (in reverse order) when the block ends."""
+
+    def __init__(self, keep_logs: Path | None = None) -> None:
+        self.log_dir = Path(tempfile.mkdtemp(prefix="beamserve-agentic-"))
+        self.keep_logs = keep_logs
+        self.procs: list[ManagedProc] = []
+
+    def start(self, name: str, argv: Sequence[str], *, cwd: str | None = None) -> ManagedProc:
+        p = ManagedProc(name, argv, self.log_dir, cwd=cwd)
+        self.procs.append(p)
+        return p
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.keep_logs is not None:
+            self.keep_logs.mkdir(parents=True, exist_ok=True)
+            for f in self.log_dir.iterdir():
+                shutil.copy(f, self.keep_logs / f.name)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+# --- CPU time ----------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(ppid, utime + stime + cutime + cstime in clock ticks) of a live process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
+    ppid = int(fields[1])
+    ticks = sum(float(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+    return ppid, ticks
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of `root` and every live descendant (children already reaped by their parent
+    count in its cutime/cstime)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (s := _stat(int(entry.name))) is not None:
+            stats[int(entry.name)] = s
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+# --- workers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    url: str
+    kv_events: str | None
+    kv_replay: str | None
+    pid: int
+
+
+def start_workers(
+    procs: Procs,
+    n: int,
+    profile: str,
+    *,
+    max_model_len: int | None = None,
+    ready_timeout_s: float = 120.0,
+    tag: str = "w",
+) -> list[Worker]:
+    """`n` fresh sim workers (SGLang surface, KV events on free loopback ports), in parallel."""
+    started = []
+    for i in range(n):
+        argv = [beamserve_exe(), "worker", *SIM_ARGS, "--profile", profile,
+                "--host", "127.0.0.1", "--port", "0",
+                "--kv-events-endpoint", "tcp://127.0.0.1:0",
+                "--kv-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
+        if max_model_len is not None:
+            argv += ["--max-model-len", str(max_model_len)]
+        started.append(procs.start(f"{tag}{i}", argv))
+    out = []
+    for p in started:
+        info = p.ready_line(ready_timeout_s)
+        kv, replay = info.get("kv_events"), info.get("kv_replay")
+        out.append(
+            Worker(
+                str(info["url"]), str(kv) if kv else None, str(replay) if replay else None, p.pid
+            )
+        )
+    return out
+
+
+# --- routers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router under test: how to find it, start it and name it."""
+
+    name: str
+    kind: str  # beamserve | smg | sglang-router | vllm-router
+    policy: str
+    package: str
+    argv: Callable[[RouterSpec, Sequence[Worker], int], list[str]] = field(repr=False)
+    exe: Callable[[], str | None] = field(repr=False)
+    ready_json: bool = False  # prints a JSON ready line with its url (beamserve)
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here (None: it can)."""
+        if self.exe() is None:
+            if self.kind == "sglang-router":
+                return "sglang_router is not importable in this venv (pip install sglang-router)"
+            return f"{self.package} is not installed in {peers_venv()} (run `make peers`)"
+        return None
+
+    def version(self) -> str | None:
+        return package_version(self.kind, self.package)
+
+
+def package_version(kind: str, package: str) -> str | None:
+    import importlib.metadata as md
+
+    if kind in ("beamserve", "sglang-router"):
+        try:
+            return md.version(package)
+        except md.PackageNotFoundError:
+            return None
+    norm = package.replace("-", "_")
+    for site in peers_venv().glob("lib/python*/site-packages"):
+        for d in site.glob(f"{norm}-*.dist-info"):
+            return d.name[len(norm) + 1 : -len(".dist-info")]
+    return None
+
+
+def _peer_exe(name: str) -> Callable[[], str | None]:
+    def find() -> str | None:
+        exe = peers_venv() / "bin" / name
+        return str(exe) if exe.exists() else None
+
+    return find
+
+
+def _sglang_router_exe() -> str | None:
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("sglang_router") is not None else None
+
+
+def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
+    endpoints = []
+    for w in workers:
+        e: dict[str, Any] = {"url": w.url, "role": "both", "engine": "sim", "block_size": 64}
+        if w.kv_events:
+            e["kv_events"] = w.kv_events
+            e["kv_replay"] = w.kv_replay
+        endpoints.append(e)
+    return [beamserve_exe(), "router", "--host", "127.0.0.1", "--port", "0",
+            "--endpoints", json.dumps(endpoints), "--policy", spec.policy]  # fmt: skip
+
+
+def _sglang_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
+    exe = spec.exe()
+    assert exe is not None
+    head = [exe, "-m", "sglang_router.launch_router"] if spec.kind == "sglang-router" else [
+        exe, "launch"]  # fmt: skip
+    return [*head, "--worker-urls", *[w.url for w in workers], "--policy", spec.policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--log-level", "warn"]  # fmt: skip
+
+
+def _vllm_router_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
+    exe = spec.exe()
+    assert exe is not None
+    return [exe, "--worker-urls", *[w.url for w in workers], "--policy", spec.policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port()), "--log-level", "warning",
+            "--worker-startup-check-interval", "1"]  # fmt: skip
+
+
+def _router_specs() -> dict[str, RouterSpec]:
+    specs = [
+        RouterSpec("beamserve", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True),
+        RouterSpec("smg-cache_aware", "smg", "cache_aware", "smg", _sglang_argv, _peer_exe("smg")),
+        RouterSpec("smg-round_robin", "smg", "round_robin", "smg", _sglang_argv, _peer_exe("smg")),
+        RouterSpec("sglang-router-cache_aware", "sglang-router", "cache_aware", "sglang-router",
+                   _sglang_argv, _sglang_router_exe),
+        RouterSpec("sglang-router-round_robin", "sglang-router", "round_robin", "sglang-router",
+                   _sglang_argv, _sglang_router_exe),
+        RouterSpec("vllm-router-sticky_least_loaded", "vllm-router", "sticky_least_loaded",
+                   "vllm-router", _vllm_router_argv, _peer_exe("vllm-router")),
+        RouterSpec("vllm-router-cache_aware", "vllm-router", "cache_aware", "vllm-router",
+                   _vllm_router_argv, _peer_exe("vllm-router")),
+    ]  # fmt: skip
+    return {s.name: s for s in specs}
+
+
+ROUTERS = _router_specs()
+DEFAULT_ROUTERS = (
+    "beamserve",
+    "smg-cache_aware",
+    "smg-round_robin",
+    "sglang-router-cache_aware",
+    "sglang-router-round_robin",
+    "vllm-router-sticky_least_loaded",
+)
+
+
+@dataclass
+class StartedRouter:
+    spec: RouterSpec
+    url: str
+    proc: ManagedProc
+    argv: list[str]
+
+
+def probe_chat(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Wait until `url` answers a 1-token chat with 200 (gateways activate workers after their
+    own health checks)."""
+    import httpx
+
+    body = {"model": "beam", "messages": [{"role": "user", "content": "ready?"}],
+            "max_tokens": 1}  # fmt: skip
+    end = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < end:
+        if not alive():
+            raise ProcError(f"{url}: the router exited")
+        try:
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.25)
+    raise ProcError(f"{url}: no 200 to a chat request within {timeout_s:g} s ({last})")
+
+
+def start_router(
+    procs: Procs, spec: RouterSpec, workers: Sequence[Worker], *, ready_timeout_s: float = 90.0
+) -> StartedRouter:
+    port = free_port()
+    argv = spec.argv(spec, workers, port)
+    p = procs.start(spec.name, argv)
+    if spec.ready_json:
+        url = str(p.ready_line(ready_timeout_s)["url"])
+    else:
+        url = f"http://127.0.0.1:{port}"
+    try:
+        probe_chat(url, ready_timeout_s, p.alive)
+    except ProcError as exc:
+        raise ProcError(f"{spec.name}: {exc}\n{p.tail()}") from exc
+    return StartedRouter(spec, url, p, argv)
+
+
+@contextlib.contextmanager
+def sigterm_as_exception() -> Iterator[None]:
+    """SIGTERM raises SystemExit in the main thread, so teardown runs as for Ctrl-C."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,205 @@
+"""`beamserve bench agentic` / `wire-overhead`: the prompt builder against the sim's tokenizer,
+the held-out session subset, the statistics on synthetic records, peers that are not
+installed, and tiny real runs of the self-contained mode (beamserve router only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from beamserve.router.bench.agentic import AgenticConfig, run_agentic
+from beamserve.router.bench.agentic_procs import ROUTERS
+from beamserve.router.bench.agentic_stats import RequestRecord, meets_slo, percentile, summarize
+from beamserve.router.bench.agentic_workload import (
+    PromptBuilder,
+    WorkloadError,
+    block_tokens_for,
+    default_trace_dir,
+    held_out,
+    load_sessions,
+)
+from beamserve.workers.server.codec import ApproxCodec
+
+from tests.conftest import RunBeamserve
+
+TRACE = default_trace_dir()
+CODEC = ApproxCodec()
+
+
+def wrapper_tokens() -> int:
+    return len(CODEC.encode(CODEC.render([{"role": "user", "content": ""}])))
+
+
+# --- prompts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.25, 0.3, 1.0])
+def test_block_text_tokenizes_to_exactly_the_block_size(scale: float) -> None:
+    bt = block_tokens_for(scale)
+    assert bt == round(64 * scale)
+    b = PromptBuilder(bt)
+    for h in range(50):
+        assert len(CODEC.encode(b.block_text("s", h))) == bt
+    ids = list(range(300))
+    text = b.text("s", ids)
+    assert len(CODEC.encode(text)) == 300 * bt == b.prompt_tokens(ids)
+    rendered = CODEC.encode(CODEC.render(b.messages("s", ids)))
+    assert len(rendered) == 300 * bt + wrapper_tokens()
+
+
+def test_equal_hash_ids_equal_text_and_namespaces_apart() -> None:
+    b = PromptBuilder(16)
+    assert b.text("trace_0002", [1, 2, 3]) == PromptBuilder(16).text("trace_0002", [1, 2, 3])
+    assert b.block_text("trace_0002", 7) != b.block_text("trace_0002", 8)
+    assert b.block_text("trace_0002", 7) != b.block_text("trace_0006", 7)  # local ids
+    assert b.block_text("a", 1) != PromptBuilder(16, salt="run2").block_text("a", 1)
+    with pytest.raises(WorkloadError):
+        block_tokens_for(0.01)
+
+
+def test_later_turns_extend_earlier_ones_as_the_hash_ids_say() -> None:
+    (session,) = load_sessions(TRACE, sessions=1)
+    b = PromptBuilder(16)
+    pairs = 0
+    for prev, cur in zip(session.turns, session.turns[1:], strict=False):
+        common = 0
+        for x, y in zip(prev.hash_ids, cur.hash_ids, strict=False):
+            if x != y:
+                break
+            common += 1
+        p_ids = CODEC.encode(b.text(session.name, prev.hash_ids))
+        c_ids = CODEC.encode(b.text(session.name, cur.hash_ids))
+        assert p_ids[: common * 16] == c_ids[: common * 16]
+        if common < min(len(prev.hash_ids), len(cur.hash_ids)):
+            assert p_ids[: (common + 1) * 16] != c_ids[: (common + 1) * 16]
+        if common == len(prev.hash_ids):
+            pairs += 1
+            assert b.text(session.name, cur.hash_ids).startswith(
+                b.text(session.name, prev.hash_ids)
+            )
+    assert pairs > 0
+
+
+def test_held_out_subset_is_spread_deterministic_and_not_the_first_files() -> None:
+    files = [Path(f"trace_{i:04d}.json") for i in range(64)]
+    got = held_out(files, 8)
+    assert got == held_out(list(reversed(files)), 8)
+    assert [int(p.stem[-4:]) for p in got] == [4, 12, 20, 28, 36, 44, 52, 60]
+    assert held_out(files, None) == files and held_out(files, 100) == files
+    assert len(set(held_out(files, 7))) == 7
+
+
+def test_sessions_scale_outputs_and_think_times() -> None:
+    raw = json.loads(sorted(TRACE.glob("*.json"))[0].read_text())["requests"]
+    (s,) = load_sessions(
+        sorted(TRACE.glob("*.json"))[0], token_scale=0.25, output_cap=64, think_scale=0.5,
+        max_think_s=4.0, max_turns=6,
+    )  # fmt: skip
+    assert len(s.turns) == 6 and s.turns[0].think_s == 0
+    for t, r in zip(s.turns, raw, strict=False):
+        assert t.max_tokens == max(1, min(64, round(r["out"] * 0.25)))
+        assert t.hash_ids == tuple(r["hash_ids"])
+    assert [t.think_s for t in s.turns[1:]] == [min(r["think_time"] * 0.5, 4.0) for r in raw[1:6]]
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    xs = [float(x) for x in range(1, 101)]
+    assert percentile(xs, 50) == pytest.approx(50.5)
+    assert percentile(xs, 90) == pytest.approx(90.1)
+    assert percentile(xs, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
+
+
+def rec(ttft: float, out: int, decode_s: float, status: str = "ok", **kw: int) -> RequestRecord:
+    return RequestRecord(
+        "s", 0, sent=0.0, first_token=ttft, end=ttft + decode_s, status=status,
+        output_tokens=out, **kw,
+    )  # fmt: skip
+
+
+def test_summary_goodput_errors_cache_hits() -> None:
+    records = [
+        rec(0.5, 64, 1.0, prompt_tokens=1000, cached_tokens=900),  # 64 tok/s: good
+        rec(2.5, 64, 1.0, prompt_tokens=1000, cached_tokens=0),  # TTFT too long
+        rec(1.0, 64, 8.0, prompt_tokens=1000, cached_tokens=500),  # 8 tok/s: too slow
+        rec(0.1, 1, 0.0, prompt_tokens=1000, cached_tokens=1000),  # one token: meets tok/s
+        RequestRecord("s", 1, sent=0.0, end=0.2, status="429"),
+        RequestRecord("s", 2, sent=0.0, end=0.2, status="connect"),
+        RequestRecord("s", 3, sent=0.0, end=0.2, status="429"),
+    ]
+    assert [meets_slo(r) for r in records[:4]] == [True, False, False, True]
+    st = summarize(records, gpus=16, duration_s=10.0)
+    assert st.requests == 7 and st.ok == 4
+    assert st.errors == {"429": 2, "connect": 1}
+    assert st.goodput_rps == pytest.approx(0.2)
+    assert st.goodput_fraction == pytest.approx(2 / 7)
+    assert st.cache_hit_ratio == pytest.approx(2400 / 4000)
+    assert st.output_tok_s == pytest.approx(193 / 10)
+    assert st.total_tok_s_per_gpu == pytest.approx(4193 / 10 / 16)
+    assert st.ttft_p50_s == pytest.approx(0.75)
+    assert st.user_tok_s_p50 == pytest.approx(64.0)
+
+
+def test_peer_not_installed_is_skipped_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BEAMSERVE_PEERS_VENV", "/nonexistent/venv")
+    why = ROUTERS["smg-cache_aware"].unavailable()
+    assert why is not None and "make peers" in why
+    said: list[str] = []
+    cfg = AgenticConfig(
+        sessions=load_sessions(TRACE, sessions=1, max_turns=1), block_tokens=16,
+        concurrency=[1, 2], routers=["smg-cache_aware", "vllm-router-sticky_least_loaded"],
+    )  # fmt: skip
+    results = run_agentic(cfg, say=said.append)
+    assert len(results) == 4 and all(r.skipped for r in results)
+    assert len(said) == 2 and all("make peers" in s for s in said)
+
+
+# --- real runs ---------------------------------------------------------------------------------
+
+FIELDS = {
+    "router", "concurrency", "requests", "ok", "errors", "duration_s", "total_tok_s",
+    "output_tok_s", "total_tok_s_per_gpu", "output_tok_s_per_gpu", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "user_tok_s_p50", "user_tok_s_p90", "cache_hit_ratio", "goodput_rps",
+    "router_cpu_s", "router_cpu_s_per_request", "command", "versions", "gpus", "router_command",
+}  # fmt: skip
+
+
+def test_self_contained_run_through_the_beamserve_router(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    out = tmp_path / "agentic.json"
+    r = beamserve(
+        "bench", "agentic", "--routers", "beamserve", "--workers", "2", "--sessions", "2",
+        "--max-turns", "4", "--concurrency", "1", "--token-scale", "0.05", "--think-scale", "0",
+        "--json", str(out), timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert set(row) >= FIELDS, FIELDS - set(row)
+    assert row["router"] == "beamserve" and row["errors"] == {}
+    assert row["requests"] == row["ok"] == 8
+    assert row["gpus"] == 16 and row["block_tokens"] == 3
+    assert row["ttft_p50_s"] > 0 and row["output_tok_s"] > 0 and row["router_cpu_s"] > 0
+    assert row["cache_hit_ratio"] is not None and row["cache_hit_ratio"] > 0  # turns extend
+    assert row["versions"]["beamserve"]
+    assert (tmp_path / "agentic.png").stat().st_size > 1000
+
+
+def test_wire_overhead_through_the_beamserve_router(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    out = tmp_path / "wire.json"
+    r = beamserve(
+        "bench", "wire-overhead", "--routers", "beamserve", "--tokens", "4000", "-n", "4",
+        "--json", str(out), timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["errors"] == 0 and len(row["router_ms"]) == len(row["direct_ms"]) == 4
+    assert row["added_p50_ms"] == pytest.approx(
+        row["router_ttft_p50_ms"] - row["direct_ttft_p50_ms"]
+    )
