@@ -9,40 +9,303 @@ the very hashes the engines publish in their KV events.
 Approximate mode (no checkpoint): a deterministic word-level pseudo-tokenizer
 (`ApproxCodec`); the hashes only ever match the router's own routing-time predictions, which is
 what prefix affinity needs when engine events cannot be matched.
+
+Continuing turns are incremental, with results identical to the from-scratch computation:
+
+* **Tokens.** The rendered prompt is cut right before each occurrence of a *split token*, a
+  string at which tokenization provably restarts (`split_tokens`): for `PromptCodec`, the
+  tokenizer's special added tokens such as `<|im_start|>` — HF `tokenizers` extracts added
+  tokens (leftmost-longest) before it normalizes, pre-tokenizes and runs the model on each
+  piece between them, so when no added token can overlap an occurrence of the split token,
+  every occurrence starts an extracted token and the encoding of the whole text is the
+  concatenation of the encodings of the segments. For `ApproxCodec`: any string that starts
+  with punctuation (a piece of its own in `_PIECE`). Token ids per segment string live in a
+  bounded LRU (`SegmentCache`), so a turn only tokenizes its new messages.
+* **Block hashes.** A bounded LRU trie of blocks (`BlockCache`): (parent node, the block's
+  tokens as uint32 bytes) → (node, digest, event id), rooted per scheme, block size and vLLM
+  `NONE_HASH`. Dict keys compare by value, so a hit is exact: only blocks past the longest
+  cached prefix are hashed, chained on the cached digest — whichever session shared it.
 """
 
 from __future__ import annotations
 
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from beamserve.router.api.convert import UpstreamCall
-from beamserve.workers.hashing import block_hashes, hash_blocks_sglang
+from beamserve.workers.hashing import hash_blocks_sglang, hash_blocks_vllm, none_hash
 from beamserve.workers.server.codec import ApproxCodec, Codec, PromptCodec
 
 HashScheme = Literal["vllm", "sglang"]
 
+APPROX_SPLIT_TOKENS = ("<|im_start|>",)
+DEFAULT_SEGMENT_CACHE_BYTES = 128 << 20
+DEFAULT_BLOCK_CACHE_BLOCKS = 1 << 17  # 8.4M tokens of 64-token blocks, ≈ 70 MB
+_U32 = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type
 
-@dataclass(frozen=True, slots=True)
+
 class PromptKey:
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
-    precise: bool
+    """A request's prompt as routing sees it: its token ids, the event ids of its full blocks
+    (in the hasher's scheme), and whether they are the engine's (precise mode).
+
+    `PromptKey(token_ids, block_hashes, precise)`; from `PromptHasher.key` the `token_ids`
+    tuple is only assembled (from cached segments) when first read — routing needs only
+    `prompt_tokens` and `block_hashes`."""
+
+    __slots__ = ("_ids", "_parts", "block_hashes", "precise", "prompt_tokens")
+
+    def __init__(
+        self, token_ids: Sequence[int], block_hashes: tuple[int, ...], precise: bool
+    ) -> None:
+        self._ids: tuple[int, ...] | None = tuple(token_ids)
+        self._parts: Sequence[tuple[int, ...]] = ()
+        self.prompt_tokens = len(self._ids)
+        self.block_hashes = block_hashes
+        self.precise = precise
+
+    @classmethod
+    def of_parts(
+        cls, parts: Sequence[tuple[int, ...]], block_hashes: tuple[int, ...], precise: bool
+    ) -> PromptKey:
+        """The key whose token ids are the concatenation of `parts` (assembled lazily)."""
+        key = cls((), block_hashes, precise)
+        key._ids, key._parts = (parts[0] if len(parts) == 1 else None), parts
+        key.prompt_tokens = sum(map(len, parts))
+        return key
 
     @property
-    def prompt_tokens(self) -> int:
-        return len(self.token_ids)
+    def token_ids(self) -> tuple[int, ...]:
+        ids = self._ids
+        if ids is None:
+            out: list[int] = []
+            for part in self._parts:
+                out += part
+            ids = self._ids = tuple(out)
+        return ids
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptKey):
+            return NotImplemented
+        return (self.token_ids, self.block_hashes, self.precise) == (
+            other.token_ids,
+            other.block_hashes,
+            other.precise,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.token_ids, self.block_hashes, self.precise))
+
+    def __repr__(self) -> str:
+        return (
+            f"PromptKey(token_ids=<{self.prompt_tokens} tokens>, "
+            f"block_hashes=<{len(self.block_hashes)} blocks>, precise={self.precise})"
+        )
+
+
+def _straddles(token: str, split: str) -> bool:
+    """Could an occurrence of `token` start before an occurrence of `split` and end inside or
+    past its start? (A proper suffix of `token` and `split` agree on their common length.)"""
+    return any(
+        token[k:].startswith(split) or split.startswith(token[k:]) for k in range(1, len(token))
+    )
+
+
+def split_tokens(codec: Codec) -> tuple[str, ...]:
+    """The strings before which `codec.encode` provably restarts (module docstring); empty when
+    none is safe (then a prompt is cached whole).
+
+    `PromptCodec`: special added tokens that are matched on the raw text (`normalized` false),
+    strip nothing on their left, are not `single_word` (no added token is: its match depends on
+    the neighbouring characters), start with a non-space character, and that no added token
+    can straddle; the tokenizer must not encode special tokens as text, truncate or pad.
+    Subclasses and other codecs: none."""
+    if type(codec) is ApproxCodec:
+        return APPROX_SPLIT_TOKENS
+    if type(codec) is not PromptCodec:
+        return ()
+    tok = codec.tokenizer
+    try:
+        if tok.encode_special_tokens or tok.truncation is not None or tok.padding is not None:
+            return ()
+        added = list(tok.get_added_tokens_decoder().values())
+    except AttributeError:  # not an HF `tokenizers.Tokenizer`
+        return ()
+    if any(a.single_word for a in added):
+        return ()
+    contents = [str(a.content) for a in added if a.content]
+    candidates = [
+        str(a.content)
+        for a in added
+        if a.special and not a.normalized and not a.lstrip and a.content
+        if not str(a.content)[0].isspace()
+    ]
+    return tuple(s for s in candidates if not any(_straddles(t, s) for t in contents))
+
+
+_Seg = tuple[tuple[int, ...], bytes | None]  # token ids, and as little-endian uint32 (or None)
+
+
+class SegmentCache:
+    """Bounded LRU: rendered segment → its token ids (and their uint32 bytes).
+
+    Size: each entry counts `len(segment) + 12 · tokens` bytes (the string, a tuple slot and
+    the uint32 copy; ids are shared small ints, see `PromptHasher`); the least recently used
+    entries go once the total passes `max_bytes`. Thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._d: OrderedDict[str, _Seg] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @staticmethod
+    def _cost(seg: str, ids: Sequence[int]) -> int:
+        return len(seg) + 12 * len(ids) + 100
+
+    def get_many(self, segs: Sequence[str]) -> list[_Seg | None]:
+        d = self._d
+        with self._lock:
+            out = [d.get(s) for s in segs]
+            for s, e in zip(segs, out, strict=True):
+                if e is not None:
+                    d.move_to_end(s)
+        return out
+
+    def put(self, seg: str, entry: _Seg) -> None:
+        cost = self._cost(seg, entry[0])
+        if cost > self.max_bytes:
+            return
+        d = self._d
+        with self._lock:
+            old = d.pop(seg, None)
+            if old is not None:
+                self.bytes -= self._cost(seg, old[0])
+            d[seg] = entry
+            self.bytes += cost
+            while self.bytes > self.max_bytes and d:
+                k, v = d.popitem(last=False)
+                self.bytes -= self._cost(k, v[0])
+
+
+_Node = tuple[int, bytes, int]  # node serial, raw digest, event id
+
+
+class BlockCache:
+    """Bounded LRU trie of hashed blocks (module docstring).
+
+    Two maps: one entry per block, (parent node, block bytes) → node; and one per aligned run
+    of `stride` blocks, (node before the run, the run's bytes) → its `stride` nodes, so a long
+    cached prefix is walked `stride` blocks a lookup. Keys compare by value: a hit is exact.
+    `max_blocks` per-block entries (and `max_blocks / stride` runs) at most, least recently
+    used first out; evicting an inner node leaves its descendants unreachable until they age
+    out too. Thread-safe."""
+
+    def __init__(self, max_blocks: int = DEFAULT_BLOCK_CACHE_BLOCKS, stride: int = 16) -> None:
+        self.max_blocks = max_blocks
+        self.stride = max(1, stride)
+        self._d: OrderedDict[tuple[int, bytes], _Node] = OrderedDict()
+        self._runs: OrderedDict[tuple[int, bytes], tuple[_Node, ...]] = OrderedDict()
+        self._roots: dict[tuple[Any, ...], int] = {}
+        self._serial = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def root(self, key: tuple[Any, ...]) -> int:
+        """The node a chain starts from, one per `key` (scheme, block size, first parent)."""
+        with self._lock:
+            node = self._roots.get(key)
+            if node is None:
+                self._serial += 1
+                node = self._roots[key] = self._serial
+            return node
+
+    def walk(self, root: int, buf: bytes, step: int, n_blocks: int) -> tuple[list[_Node], int]:
+        """The nodes of the longest cached prefix of the `n_blocks` blocks of `step` bytes in
+        `buf`, and how many leading runs were found whole."""
+        out: list[_Node] = []
+        node, i, s = root, 0, self.stride
+        runs, d = self._runs, self._d
+        with self._lock:
+            if s > 1:
+                while i + s <= n_blocks:
+                    key = (node, buf[i * step : (i + s) * step])
+                    run = runs.get(key)
+                    if run is None:
+                        break
+                    runs.move_to_end(key)
+                    out += run
+                    node, i = run[-1][0], i + s
+            n_runs = i // s
+            while i < n_blocks:
+                key = (node, buf[i * step : (i + 1) * step])
+                hit = d.get(key)
+                if hit is None:
+                    break
+                d.move_to_end(key)
+                out.append(hit)
+                node, i = hit[0], i + 1
+        return out, n_runs
+
+    def extend(
+        self,
+        root: int,
+        nodes: list[_Node],
+        new: Sequence[tuple[bytes, int]],
+        buf: bytes,
+        step: int,
+        n_runs: int,
+    ) -> list[_Node]:
+        """Append the blocks hashed past the cached prefix `nodes` ((digest, event id) each, in
+        order) and record the runs not yet recorded past the first `n_runs`; the whole chain."""
+        d, runs, s = self._d, self._runs, self.stride
+        k = len(nodes)
+        with self._lock:
+            chain_ = list(nodes)
+            node = nodes[-1][0] if nodes else root
+            for j, (digest, event_id) in enumerate(new):
+                self._serial += 1
+                entry = (self._serial, digest, event_id)
+                d[(node, buf[(k + j) * step : (k + j + 1) * step])] = entry
+                chain_.append(entry)
+                node = self._serial
+            if s > 1:
+                for r in range(n_runs, len(chain_) // s):
+                    before = chain_[r * s - 1][0] if r else root
+                    run = tuple(chain_[r * s : (r + 1) * s])
+                    runs[(before, buf[r * s * step : (r + 1) * s * step])] = run
+            while len(d) > self.max_blocks:
+                d.popitem(last=False)
+            while len(runs) > self.max_blocks // s:
+                runs.popitem(last=False)
+        return chain_
+
+
+_Tokens = tuple[list[tuple[int, ...]], bytes | None]  # id parts, their uint32 bytes (or None)
 
 
 class PromptHasher:
+    """The prompt key of a request (module docstring), incremental across turns.
+
+    `segment_cache_bytes` / `block_cache_blocks` bound the two caches (0 turns one off);
+    results never depend on them. Safe to call from several threads."""
+
     def __init__(
         self,
         model_dir: str | Path | None = None,
         *,
         block_size: int = 64,
         scheme: HashScheme = "vllm",
+        segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES,
+        block_cache_blocks: int = DEFAULT_BLOCK_CACHE_BLOCKS,
     ) -> None:
         self.codec: Codec = (
             PromptCodec.from_model_dir(model_dir) if model_dir is not None else ApproxCodec()
@@ -50,22 +313,134 @@ class PromptHasher:
         self.precise = model_dir is not None
         self.block_size = block_size
         self.scheme: HashScheme = scheme
+        self.segments = SegmentCache(segment_cache_bytes)
+        self.blocks = BlockCache(block_cache_blocks)
+        self.split_tokens = split_tokens(self.codec)
+        # One int object per id below the vocabulary size: cached tuples hold shared ints
+        # (8 bytes a token, not 36) and compare by identity first.
+        self._ints = tuple(range(max(0, int(self.codec.vocab_size))))
 
-    def token_ids(self, call: UpstreamCall) -> list[int]:
+    # --- tokens ----------------------------------------------------------------------------
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut before each occurrence of a split token (`split_tokens`); `"".join` of
+        the pieces gives it back."""
+        cuts: list[int] = []
+        for tok in self.split_tokens:
+            at = text.find(tok)
+            while at >= 0:
+                cuts.append(at)
+                at = text.find(tok, at + len(tok))
+        if not cuts:
+            return [text]
+        if len(self.split_tokens) > 1:
+            cuts.sort()
+        segs: list[str] = []
+        prev = 0
+        for cut in cuts:
+            if cut > prev:
+                segs.append(text[prev:cut])
+                prev = cut
+        segs.append(text[prev:])
+        return segs
+
+    def _encode_segment(self, seg: str) -> _Seg:
+        raw = self.codec.encode(seg)
+        try:
+            ids = tuple(map(self._ints.__getitem__, raw))
+        except (IndexError, TypeError):
+            ids = tuple(raw)
+        return ids, _uint32(ids)
+
+    def _encode(self, text: str) -> _Tokens:
+        segs = self.split(text)
+        if self.segments.max_bytes <= 0:
+            entries = [self._encode_segment(s) for s in segs]
+        else:
+            entries = []
+            for seg, hit in zip(segs, self.segments.get_many(segs), strict=True):
+                if hit is None:
+                    hit = self._encode_segment(seg)
+                    self.segments.put(seg, hit)
+                entries.append(hit)
+        bufs = [e[1] for e in entries]
+        buf = None if None in bufs else b"".join(b for b in bufs if b is not None)
+        return [e[0] for e in entries], buf
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        """`tuple(self.codec.encode(text))`, from the segment cache where it can."""
+        out: list[int] = []
+        for part in self._encode(text)[0]:
+            out += part
+        return tuple(out)
+
+    def _call_tokens(self, call: UpstreamCall) -> _Tokens:
         prompt = call.prompt
         if isinstance(prompt, list):
-            return [int(t) for t in prompt]
+            ids = tuple(int(t) for t in prompt)
+            return [ids], _uint32(ids)
         if isinstance(prompt, str):
-            return self.codec.encode(prompt)
+            return self._encode(prompt)
         tools: Any = call.body.get("tools")
-        return self.codec.encode(self.codec.render(call.messages_for_session, tools))
+        return self._encode(self.codec.render(call.messages_for_session, tools))
+
+    def token_ids(self, call: UpstreamCall) -> list[int]:
+        out: list[int] = []
+        for part in self._call_tokens(call)[0]:
+            out += part
+        return out
+
+    # --- block hashes ----------------------------------------------------------------------
+
+    def _scratch(self, token_ids: Sequence[int], parent: bytes | None) -> list[tuple[bytes, int]]:
+        if self.scheme == "sglang":
+            pages = hash_blocks_sglang(
+                token_ids, self.block_size, parent=parent, include_partial=False
+            )
+            return [(b.digest, b.event_id) for b in pages]
+        return [
+            (b.digest, b.event_id) for b in hash_blocks_vllm(token_ids, self.block_size, parent)
+        ]
+
+    def _hashes(self, parts: list[tuple[int, ...]], buf: bytes | None) -> tuple[int, ...]:
+        bs = self.block_size
+        if buf is None or self.blocks.max_blocks <= 0:
+            ids: list[int] = []
+            for part in parts:
+                ids += part
+            return tuple(e for _, e in self._scratch(ids, None))
+        step = 4 * bs  # bytes per block in `buf`
+        n = len(buf) // step
+        if n == 0:
+            return ()
+        if self.scheme == "sglang":
+            root_key: tuple[Any, ...] = ("sglang", bs)
+            parent: bytes | None = None
+        else:
+            parent = none_hash()  # what hash_blocks_vllm chains the first block on, now
+            root_key = ("vllm", bs, parent)
+        root = self.blocks.root(root_key)
+        nodes, n_runs = self.blocks.walk(root, buf, step, n)
+        k = len(nodes)
+        if k < n or n_runs < n // self.blocks.stride:
+            if nodes:
+                parent = nodes[-1][1]
+            new = self._scratch(array(_U32, buf[k * step : n * step]).tolist(), parent)
+            nodes = self.blocks.extend(root, nodes, new, buf, step, n_runs)
+        return tuple([node[2] for node in nodes])
 
     def hashes(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        if self.scheme == "sglang":
-            pages = hash_blocks_sglang(list(token_ids), self.block_size, include_partial=False)
-            return tuple(b.event_id for b in pages)
-        return tuple(block_hashes(list(token_ids), self.block_size))
+        """Event ids of the full blocks of `token_ids`, in this hasher's scheme."""
+        ids = tuple(int(t) for t in token_ids)
+        return self._hashes([ids], _uint32(ids))
 
     def key(self, call: UpstreamCall) -> PromptKey:
-        ids = self.token_ids(call)
-        return PromptKey(tuple(ids), self.hashes(ids), self.precise)
+        parts, buf = self._call_tokens(call)
+        return PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)
+
+
+def _uint32(ids: Sequence[int]) -> bytes | None:
+    try:
+        return array(_U32, ids).tobytes()
+    except (OverflowError, TypeError):
+        return None

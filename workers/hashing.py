@@ -243,7 +243,7 @@ def hash_blocks_vllm(
             )
     out: list[BlockHash] = []
     for i in range(n_full):
-        block = tuple(int(t) for t in token_ids[i * block_size : (i + 1) * block_size])
+        block = tuple(map(int, token_ids[i * block_size : (i + 1) * block_size]))
         digest: bytes = hash_fn((prev, block, per_block[i]))
         out.append(BlockHash(digest, vllm_event_int(digest), block_size))
         prev = digest
@@ -265,11 +265,14 @@ def _sglang_page_bytes(tokens: Sequence[int]) -> bytes:
     goes wide: one 0xFF tag byte (an odd length can never collide with a uint32 page), then
     every token as little-endian uint64. Token ids must lie in [0, 2^63).
     """
-    ints = [int(t) for t in tokens]
-    for t in ints:
-        if t < 0 or t >= 1 << 63:
-            raise HashingError(f"token id {t} outside [0, 2^63): SGLang refuses it")
-    if all(t < 1 << 32 for t in ints):
+    ints = list(map(int, tokens))
+    if not ints:
+        return b""
+    lo, hi = min(ints), max(ints)
+    if lo < 0 or hi >= 1 << 63:
+        bad = next(t for t in ints if t < 0 or t >= 1 << 63)
+        raise HashingError(f"token id {bad} outside [0, 2^63): SGLang refuses it")
+    if hi < 1 << 32:
         return struct.pack(f"<{len(ints)}I", *ints)
     return b"\xff" + struct.pack(f"<{len(ints)}Q", *ints)
 

@@ -18,7 +18,7 @@ import json
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,9 +50,15 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
+    if not ensure_ascii and indent is None and separators is None and not sort_keys:
+        # The template's usual call: what json.dumps builds for these arguments, built once.
+        return _JSON.encode(x)
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False)
 
 
 def _raise(message: str) -> None:
@@ -156,6 +162,21 @@ _WORDS = (  # noqa: SIM905 (one readable block)
 ).split()
 
 
+_PIECE_MEMO_MAX = 1 << 17  # distinct pieces remembered by one ApproxCodec (≈ 15 MB at most)
+
+
+class _PieceIds(dict[str, int]):
+    """piece → `crc32(piece) mod span + 16`, computed on first sight (`ApproxCodec.encode`)."""
+
+    def __init__(self, span: int) -> None:
+        super().__init__()
+        self.span = span
+
+    def __missing__(self, piece: str) -> int:
+        v = self[piece] = zlib.crc32(piece.encode()) % self.span + 16
+        return v
+
+
 @dataclass
 class ApproxCodec:
     """Word-level pseudo-tokens for the simulator without a checkpoint (module docstring).
@@ -179,9 +200,18 @@ class ApproxCodec:
         parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
+    _ids: _PieceIds = field(
+        default_factory=lambda: _PieceIds(0), init=False, repr=False, compare=False
+    )
+
     def encode(self, text: str) -> list[int]:
-        span = self.vocab_size - 16
-        return [zlib.crc32(p.encode()) % span + 16 for p in _PIECE.findall(text)]
+        # Same ids as `[crc32(p.encode()) % span + 16 for p in pieces]`, through a bounded memo
+        # of piece → id (pieces repeat: words, spaces, punctuation), so a known piece costs a
+        # dict lookup inside `map` rather than an encode and a crc32.
+        ids = self._ids
+        if ids.span != self.vocab_size - 16 or len(ids) > _PIECE_MEMO_MAX:
+            ids = self._ids = _PieceIds(self.vocab_size - 16)
+        return list(map(ids.__getitem__, _PIECE.findall(text)))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(_WORDS[t % len(_WORDS)] + " " for t in token_ids if t >= 16)
