@@ -101,11 +101,13 @@ bench-route: install
 	$(VENV)/bin/beamserve bench route-overhead --json bench-results/route-overhead.json
 
 # Routers side by side over real HTTP on sim workers (docs/bench/agentic.md). AGENTIC_ARGS picks
-# the workload; the default (all 64 sessions, first 16 turns each, think times × 0.1 capped at
-# 10 s, concurrency 1…64, 4 workers, all routers) takes ≈ 3 h on 2 cores.
-AGENTIC_ARGS ?= --max-turns 16 --think-scale 0.1 --max-think-s 10
+# the workload; the default (all 64 sessions, first 16 turns each = 806 requests per run, think
+# times × 0.02 capped at 2 s, concurrency 1,4,8,16,32,64, 4 workers, the six default routers)
+# takes ≈ 2.5–3 h on 2 cores; wire-overhead ≈ 1 min.
+AGENTIC_ARGS ?= --max-turns 16 --think-scale 0.02 --max-think-s 2
 bench-agentic: install peers
-	$(VENV)/bin/beamserve bench agentic $(AGENTIC_ARGS) --json bench-results/agentic.json
+	$(VENV)/bin/beamserve bench agentic $(AGENTIC_ARGS) --json bench-results/agentic.json \
+	    --markdown bench-results/agentic.md
 	$(VENV)/bin/beamserve bench wire-overhead --json bench-results/wire-overhead.json
 
 clean:

@@ -223,10 +223,12 @@ def run_agentic(
     *,
     say: Callable[[str], None] = print,
     progress: Any = None,
+    on_result: Callable[[list[LevelResult]], None] | None = None,
 ) -> list[LevelResult]:
     """Every (level, router) run; routers that cannot run are skipped with a message.
 
-    `progress`: a rich `Progress` (optional) that gets an overall task and one per run."""
+    `progress`: a rich `Progress` (optional) that gets an overall task and one per run;
+    `on_result`: called with the results so far after every run (to save partial results)."""
     gpw = gpus_per_worker(cfg.profile)
     n_requests = sum(s.requests for s in cfg.sessions)
     specs: list[RouterSpec] = []
@@ -278,6 +280,8 @@ def run_agentic(
                 if progress is not None and overall is not None:
                     progress.advance(overall)
                 results.append(LevelResult(name, level, data))
+                if on_result is not None:
+                    on_result(results)
     for name, why in skipped.items():
         for level in cfg.concurrency:
             results.append(
@@ -381,10 +385,11 @@ def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
     out = []
     for level in sorted({r.concurrency for r in results}):
         t = Table(title=f"{title} — concurrency {level}")
-        for c in ("router", "ok/req", "errors", "tok/s/GPU", "out tok/s/GPU", "TTFT p50",
-                  "p90", "p99", "user tok/s p50", "p90", "hit", "goodput r/s",
-                  "router CPU ms/req"):  # fmt: skip
-            t.add_column(c, justify="left" if c == "router" else "right")
+        width = max((len(r.router) for r in results), default=6)
+        t.add_column("router", no_wrap=True, min_width=width)
+        for c in ("ok/req", "errors", "tok/s/GPU", "out/s/GPU", "TTFT p50", "p90", "p99",
+                  "user tok/s p50", "p90", "hit", "goodput/s", "CPU ms/req"):  # fmt: skip
+            t.add_column(c, justify="right")
         for r in results:
             if r.concurrency != level:
                 continue
@@ -447,3 +452,46 @@ def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def markdown(results: Sequence[LevelResult]) -> str:
+    """The tables as Markdown, one per concurrency level (for docs/bench/agentic.md)."""
+    head = ("router", "ok/req", "errors", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 s", "p90",
+            "p99", "user tok/s p50", "p90", "hit", "goodput r/s", "router CPU ms/req")  # fmt: skip
+    lines: list[str] = []
+    for level in sorted({r.concurrency for r in results}):
+        lines += [f"**Concurrency {level}**", "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]  # fmt: skip
+        for r in results:
+            if r.concurrency != level:
+                continue
+            d = r.data
+            if r.skipped:
+                lines.append(f"| {r.router} | skipped: {r.skipped} |" + " |" * (len(head) - 2))
+                continue
+            errs = ", ".join(f"{k}×{v}" for k, v in d["errors"].items()) or "0"
+            cpu = d.get("router_cpu_s_per_request")
+            cells = [
+                r.router,
+                f"{d['ok']}/{d['requests']}",
+                errs,
+                _f(d["total_tok_s_per_gpu"], ",.0f"),
+                _f(d["output_tok_s_per_gpu"], ",.1f"),
+                _f(d["ttft_p50_s"], ".3f"),
+                _f(d["ttft_p90_s"], ".3f"),
+                _f(d["ttft_p99_s"], ".3f"),
+                _f(d["user_tok_s_p50"], ".1f"),
+                _f(d["user_tok_s_p90"], ".1f"),
+                _f(d["cache_hit_ratio"], ".3f"),
+                _f(d["goodput_rps"], ".3f"),
+                _f(cpu * 1e3 if cpu is not None else None, ".1f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def read_json(path: Path) -> list[LevelResult]:
+    """Results written by `write_json`."""
+    rows = json.loads(path.read_text())
+    return [LevelResult(str(d["router"]), int(d["concurrency"]), d) for d in rows]

@@ -164,6 +164,16 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--plot", type=Path, default=None, metavar="PATH", help="PNG (default: next to --json)"
     )
+    p.add_argument(
+        "--markdown", type=Path, default=None, metavar="PATH", help="the tables as Markdown too"
+    )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="run nothing: print (and --markdown / --plot) the results of an earlier --json",
+    )
     p.add_argument("--logs", type=Path, default=None, metavar="DIR",
                    help="keep every started process's stdout/stderr here")  # fmt: skip
     return p
@@ -213,6 +223,12 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     from .agentic_procs import ProcError
     from .agentic_workload import WorkloadError, block_tokens_for, load_sessions
 
+    if args.from_json is not None:
+        results = agentic.read_json(args.from_json)
+        for t in agentic.tables(results, f"beamserve bench agentic — {args.from_json}"):
+            console.print(t)
+        _outputs(results, args, str(args.from_json), console)
+        return 0
     if args.peer and not args.target:
         console.print("[red]--peer needs --target (the routers already running)")
         return 2
@@ -272,7 +288,12 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
                TimeElapsedColumn())  # fmt: skip
     try:
         with Progress(*columns, console=console, transient=True) as progress:
-            results = agentic.run_agentic(cfg, say=console.print, progress=progress)
+            results = agentic.run_agentic(
+                cfg,
+                say=console.print,
+                progress=progress,
+                on_result=(lambda rs: agentic.write_json(rs, args.json)) if args.json else None,
+            )
     except ProcError as exc:
         console.print(f"[red]{exc}")
         return 1
@@ -285,12 +306,23 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         agentic.write_json(results, args.json)
         console.print(f"wrote {args.json}")
-    plot_path = args.plot or (args.json.with_suffix(".png") if args.json is not None else None)
+    _outputs(results, args, title, console)
+    ran = [r for r in results if not r.skipped]
+    return 0 if ran else 1
+
+
+def _outputs(results: Any, args: argparse.Namespace, title: str, console: Console) -> None:
+    from . import agentic
+
+    base = args.json if args.json is not None else None
+    plot_path = args.plot or (base.with_suffix(".png") if base is not None else None)
     if plot_path is not None:
         agentic.plot(results, plot_path, title)
         console.print(f"wrote {plot_path}")
-    ran = [r for r in results if not r.skipped]
-    return 0 if ran else 1
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(agentic.markdown(results))
+        console.print(f"wrote {args.markdown}")
 
 
 def wire_overhead_main(args: argparse.Namespace, console: Console) -> int:

@@ -187,6 +187,11 @@ def test_self_contained_run_through_the_beamserve_router(
     assert row["cache_hit_ratio"] is not None and row["cache_hit_ratio"] > 0  # turns extend
     assert row["versions"]["beamserve"]
     assert (tmp_path / "agentic.png").stat().st_size > 1000
+    md = tmp_path / "agentic.md"
+    r = beamserve("bench", "agentic", "--from-json", str(out), "--markdown", str(md), timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = md.read_text()
+    assert "**Concurrency 1**" in text and "| beamserve | 8/8 | 0 |" in text
 
 
 def test_wire_overhead_through_the_beamserve_router(
