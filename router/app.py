@@ -48,13 +48,12 @@ from beamserve.router.api.errors import APIError
 from beamserve.router.api.models import API_PATHS, ApiName, ParsedRequest, parse_request
 from beamserve.router.api.session import is_continuing_turn, session_id_from
 from beamserve.router.api.sse import UpstreamStreamError, translator_for
-from beamserve.router.core import RoutingCore
+from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
-from beamserve.router.load import Flight
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
-from beamserve.router.prompt import PromptHasher
+from beamserve.router.prompt import PromptHasher, PromptKey, PromptTooLong
 from beamserve.router.sessions import SessionRecord, SessionStore
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
 from fastapi import FastAPI, Request
@@ -105,10 +104,47 @@ class _Turn(NamedTuple):
     """One client request on its way through `Router._dispatch`."""
 
     api: ApiName
+    dialect: api_errors.ErrorDialect
     parsed: ParsedRequest
     call: UpstreamCall
-    rreq: RouteRequest
-    ticket: Ticket
+    dispatch: Dispatch
+
+
+class _DispatchStream(StreamingResponse):
+    """A streaming answer that runs `on_close` however it ends: finished, failed, or the
+    client gone before or while the body streamed (Starlette never starts the body iterator
+    of a response whose client already left, so its own `finally` cannot be relied on)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._on_close: Callable[[], Awaitable[None]] | None = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            await on_close()
+
+
+# Bodies at least this large are parsed and hashed in a worker thread, so that the event loop
+# (health checks, every other request's stream) keeps running meanwhile.
+OFF_LOOP_BYTES = 256 * 1024
+# Approximate mode over-counts (whitespace runs are pseudo-tokens): the length check halves it.
+APPROX_LENGTH_SLACK = 2
+
+
+async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in a worker thread when the input (`size` bytes) is large."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class Router:
@@ -130,7 +166,6 @@ class Router:
         self.settings = settings or RouterSettings()
         self._buckets: dict[str, _Bucket] = {}
         self._kv_totals = kv_event_totals or dict
-        self._in_flight = 0
         self.metrics = RouterMetrics(self._live)
 
     # --- metrics ---------------------------------------------------------------------------------
@@ -150,7 +185,7 @@ class Router:
             workers["worker_breaker_open"][e.id] = float(not ld.healthy)
         return {
             "queue_depth": dict(stats.queued),
-            "in_flight": self._in_flight,
+            "in_flight": self.core.open_dispatches,
             "workers": workers,
             "session_degraded": bool(self.sessions.health().get("degraded", False)),
             "shed": dict(stats.shed),
@@ -211,7 +246,8 @@ class Router:
     ) -> Response:
         key = self._authenticate(request, dialect)
         raw = await self._read_body(request, dialect)
-        parsed = parse_request(api, raw, self.settings.max_body_bytes)
+        limit = self.settings.max_body_bytes
+        parsed = await _off_loop(len(raw), parse_request, api, raw, limit)
         served = self.settings.served_models
         if served and parsed.model is not None and parsed.model not in served:
             raise api_errors.not_found(
@@ -222,18 +258,43 @@ class Router:
         call = to_upstream(parsed)
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        rreq, record = await self.route_request(call, headers, key, parsed.model or "")
+        rreq, record = await self.route_request(
+            call, headers, key, parsed.model or "", body_bytes=len(raw)
+        )
         hashing_s = time.perf_counter() - t0
+        self.check_length(rreq, call, dialect)
         tenant = (rreq.session_id or "") if key.tenant == "anonymous" else key.tenant
         ticket = await self._admit(request, rreq.band, tenant, rreq.prompt_tokens, dialect)
+        d = self.core.open(rreq, ticket)
         try:
-            return await self._dispatch(
-                api, dialect, parsed, call, rreq, record.worker if record else None, ticket,
-                hashing_s,
-            )  # fmt: skip
+            turn = _Turn(api, dialect, parsed, call, d)
+            # Until the answer starts, a client that goes away cancels the upstream call (the
+            # worker aborts the request); once streaming, the response itself watches.
+            return await _unless_disconnected(
+                request, self._dispatch(turn, record.worker if record else None, hashing_s)
+            )
         except BaseException:
-            ticket.release(0)
+            self.core.close(d)  # a no-op when the outcome was already recorded
             raise
+
+    def check_length(
+        self, rreq: RouteRequest, call: UpstreamCall, dialect: api_errors.ErrorDialect = "openai"
+    ) -> None:
+        """Refuse, before any upstream call, a prompt that no candidate worker can hold."""
+        limit = self.max_model_len()
+        if limit is None:
+            return
+        prompt = rreq.prompt_tokens
+        if not self.hasher.precise and not isinstance(call.prompt, list):
+            # Approximate mode counts pseudo-tokens: refuse only what is over even at half.
+            prompt = prompt // APPROX_LENGTH_SLACK
+        if prompt + (call.max_tokens or 1) > limit:
+            raise _too_long(rreq.prompt_tokens, call, limit).for_api(dialect)
+
+    def max_model_len(self) -> int | None:
+        """The smallest `max_model_len` among the decode-capable workers that report one."""
+        lens = [e.max_model_len for e in self.endpoints() if e.can_decode and e.max_model_len]
+        return min(lens) if lens else None
 
     async def route_request(
         self,
@@ -241,14 +302,13 @@ class Router:
         headers: Mapping[str, str],
         key: KeyPolicy = ANONYMOUS,
         model: str = "",
+        body_bytes: int = 0,
     ) -> tuple[RouteRequest, SessionRecord | None]:
         """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
         its session (headers, else the conversation's opening), the prompt's token count and
-        block hashes, its band, and the session's record. `headers` have lower-case names."""
-        session_id, _source = session_id_from(
-            headers, call.messages_for_session or call.prompt or ""
-        )
-        prompt = self.hasher.key(call)
+        block hashes, its band, and the session's record. `headers` have lower-case names.
+        `body_bytes`: the request body's size (large ones are hashed off the event loop)."""
+        session_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers)
         record = await self.sessions.get(session_id)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
@@ -261,6 +321,18 @@ class Router:
             model=model,
         )
         return rreq, record
+
+    def _prompt_facts(
+        self, call: UpstreamCall, headers: Mapping[str, str]
+    ) -> tuple[str, PromptKey]:
+        session_id, _source = session_id_from(
+            headers, call.messages_for_session or call.prompt or ""
+        )
+        limit = self.max_model_len()
+        try:
+            return session_id, self.hasher.key(call, limit)
+        except PromptTooLong as exc:  # refused without tokenizing all of it
+            raise _too_long(exc.floor, call, limit or 0, at_least=True) from exc
 
     def _band(
         self, key: KeyPolicy, headers: Mapping[str, str], known: bool, call: UpstreamCall
@@ -286,56 +358,42 @@ class Router:
                 raise api_errors.rate_limited(shed.retry_after_s, api=dialect) from shed
             raise api_errors.overloaded(shed.retry_after_s, api=dialect) from shed
 
-    def _decide(
-        self, rreq: RouteRequest, warm: str | None, exclude: set[str], dialect: Any
-    ) -> RouteDecision:
-        eps = [e for e in self.endpoints() if e.id not in exclude]
+    def _route(self, d: Dispatch, warm: str | None, dialect: Any) -> RouteDecision:
+        eps = self.endpoints()
         live = {e.id for e in eps}
         try:
-            return self.core.decide(rreq, eps, warm if warm in live else None)
+            return self.core.route(d, eps, warm if warm in live else None)
         except NoCandidates as exc:
             err = api_errors.overloaded(5.0, api=dialect)
             raise dataclasses.replace(
                 err, message=f"no worker can serve this request now ({exc}); retry in 5 s"
             ) from exc
 
-    async def _dispatch(
-        self,
-        api: ApiName,
-        dialect: api_errors.ErrorDialect,
-        parsed: ParsedRequest,
-        call: UpstreamCall,
-        rreq: RouteRequest,
-        warm: str | None,
-        ticket: Ticket,
-        hashing_s: float,
-    ) -> Response:
-        exclude: set[str] = set()
-        attempt = 0
+    async def _dispatch(self, turn: _Turn, warm: str | None, hashing_s: float) -> Response:
+        d = turn.dispatch
+        rreq = d.request
         while True:
             t0 = time.perf_counter()
-            decision = self._decide(rreq, warm, exclude, dialect)
+            decision = self._route(d, warm, turn.dialect)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
             hashing_s = 0.0
-            flight = self.core.dispatched(rreq, decision)
             self._record_decision(decision, rreq)
-            self._in_flight += 1
             try:
-                turn = _Turn(api, parsed, call, rreq, ticket)
-                if call.stream:
-                    return await self._stream(turn, decision, flight)
-                return await self._unary(turn, decision, flight)
+                if turn.call.stream:
+                    return await self._stream(turn, decision)
+                return await self._unary(turn, decision)
             except UpstreamError as err:
-                self._finish(flight, ok=False)
-                self.core.loads.failed(err.worker)
-                exclude.add(err.worker)
-                attempt += 1
-                if attempt > self.settings.max_retries:
-                    raise api_errors.upstream_failed(str(err), api=dialect) from err
+                self.core.retry(d, err.worker)
+                if d.attempts > self.settings.max_retries:
+                    self.core.fail(d)
+                    raise api_errors.upstream_failed(str(err), api=turn.dialect) from err
                 self.metrics.retries.labels(err.reason).inc()
                 log.warning(
                     "router.retry", request_id=rreq.request_id, worker=err.worker, error=str(err)
                 )
+            except APIError:
+                self.core.fail(d, answered=True)  # the worker refused it: the client's fault
+                raise
 
     def _record_decision(self, d: RouteDecision, rreq: RouteRequest) -> None:
         self.metrics.decisions.labels(d.reason or "unknown").inc()
@@ -370,30 +428,20 @@ class Router:
             )
         return out
 
-    def _finish(self, flight: Flight, ok: bool) -> None:
-        if not flight.done:
-            self._in_flight -= 1
-        self.core.loads.finish(flight)
-        if ok:
-            self.core.loads.succeeded(flight.worker)
-
-    async def _done(
-        self, rreq: RouteRequest, d: RouteDecision, flight: Flight, ticket: Ticket, out_tokens: int
-    ) -> None:
-        self._finish(flight, ok=True)
-        ticket.release(rreq.prompt_tokens + 2 * out_tokens)
-        if rreq.session_id:
+    async def _finish(self, d: Dispatch, out_tokens: int) -> None:
+        binding = self.core.finish(d, out_tokens)
+        if binding is not None:
             await self.sessions.bind(
-                rreq.session_id, d.decode.id, turn_tokens=rreq.prompt_tokens + out_tokens
+                binding.session_id, binding.worker, turn_tokens=binding.turn_tokens
             )
 
-    async def _unary(self, turn: _Turn, d: RouteDecision, flight: Flight) -> Response:
-        api, parsed, call, rreq, ticket = turn
+    async def _unary(self, turn: _Turn, d: RouteDecision) -> Response:
+        api, _dialect, parsed, call, dispatch = turn
         upstream = await self.upstreams.unary(d, call, self._on_pd_fallback)
-        self.core.loads.first_token(flight)
+        self.core.first_token(dispatch)
         upstream.pop("kv_transfer_params", None)
         usage = upstream.get("usage") or {}
-        await self._done(rreq, d, flight, ticket, int(usage.get("completion_tokens", 0)))
+        await self._finish(dispatch, int(usage.get("completion_tokens", 0)))
         model = parsed.model or self.settings.served_models[0]
         if api == "messages":
             body = to_anthropic_message(upstream, model=model, stop_sequences=call.stop_sequences)
@@ -401,10 +449,11 @@ class Router:
             body = to_responses_object(upstream, request=parsed.request, model=model)  # type: ignore[arg-type]
         else:
             body = with_model(upstream, parsed.model)
-        return JSONResponse(body, headers=self._headers(d, rreq))
+        return JSONResponse(body, headers=self._headers(d, dispatch.request))
 
-    async def _stream(self, turn: _Turn, d: RouteDecision, flight: Flight) -> Response:
-        api, parsed, call, rreq, ticket = turn
+    async def _stream(self, turn: _Turn, d: RouteDecision) -> Response:
+        api, dialect, parsed, call, dispatch = turn
+        rreq = dispatch.request
         chunks = await self.upstreams.stream(d, call, self._on_pd_fallback)
         model = parsed.model or self.settings.served_models[0]
         translator = translator_for(
@@ -414,16 +463,14 @@ class Router:
             stop_sequences=call.stop_sequences,
             include_usage=call.client_wants_usage,
         )
-        dialect: api_errors.ErrorDialect = "anthropic" if api == "messages" else "openai"
         try:
             first = await chunks.first()  # UpstreamError before the first byte → retry
         except BaseException:
             await chunks.aclose()
             raise
-        self.core.loads.first_token(flight)
+        self.core.first_token(dispatch)
 
         async def body() -> AsyncIterator[bytes]:
-            ok = False
             try:
                 for c in first:
                     for frame in translator.feed(c):
@@ -433,24 +480,25 @@ class Router:
                         yield frame
                 for frame in translator.finish():
                     yield frame
-                ok = True
             except (UpstreamError, UpstreamStreamError, httpx.HTTPError) as exc:
                 log.warning("router.stream_failed", request_id=rreq.request_id, error=str(exc))
+                self.core.fail(dispatch, worker=d.decode.id)
                 for frame in translator.fail(api_errors.upstream_failed(str(exc), api=dialect)):
                     yield frame
-            finally:
-                await chunks.aclose()
-                usage = translator.usage or {}
-                if ok:
-                    await self._done(
-                        rreq, d, flight, ticket, int(usage.get("completion_tokens", 0))
-                    )
-                else:
-                    self._finish(flight, ok=False)
-                    ticket.release(rreq.prompt_tokens)
+                return
+            usage = translator.usage or {}
+            await self._finish(dispatch, int(usage.get("completion_tokens", 0)))
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers=self._headers(d, rreq)
+        async def closed() -> None:
+            # Runs however the response ends, even if the body never started (client gone).
+            await chunks.aclose()
+            self.core.close(dispatch)
+
+        return _DispatchStream(
+            body(),
+            closed,
+            media_type="text/event-stream",
+            headers=self._headers(d, rreq),
         )
 
     def _on_pd_fallback(self, reason: str, worker: str) -> None:
@@ -468,12 +516,38 @@ async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise api_errors.APIError(
-                    499, "client closed the request while it was queued", "api_error"
-                )
+                raise api_errors.APIError(499, "client closed the request", "api_error")
     finally:
         if not task.done():
             task.cancel()
+            task.add_done_callback(_discard_result)
+
+
+def _discard_result(task: asyncio.Future[Any]) -> None:
+    """A cancelled call may still have produced its answer: close a stream nobody will send."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, _DispatchStream):
+        _BACKGROUND.add(t := asyncio.ensure_future(result.close()))
+        t.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()
+
+
+def _too_long(prompt: int, call: UpstreamCall, limit: int, at_least: bool = False) -> APIError:
+    wanted = call.max_tokens or 1
+    count = f"at least {prompt}" if at_least else str(prompt)
+    return APIError(
+        400,
+        f"this model's maximum context length is {limit} tokens, but the request asks for "
+        f"{'more than ' if at_least else ''}{prompt + wanted} ({count} in the prompt, {wanted} "
+        "to generate); shorten the prompt or lower max_tokens",
+        "invalid_request_error",
+        param="messages" if call.messages_for_session else "prompt",
+        code="context_length_exceeded",
+    )
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -493,7 +567,12 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(model_list(list(router.settings.served_models)))
+        body = model_list(list(router.settings.served_models))
+        limit = router.max_model_len()
+        if limit is not None:  # as vLLM reports it: what a request may ask for in all
+            for m in body["data"]:
+                m["max_model_len"] = limit
+        return JSONResponse(body)
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,6 +4,22 @@
     flight = core.dispatched(request, decision)      # predictions + load accounting
     ... core.loads.first_token(flight) ... core.loads.finish(flight)
 
+The dispatch lifecycle (`Dispatch`, owned here, driven alike by the HTTP door, the ext_proc
+picker and the benchmark replay)::
+
+    d = core.open(request, ticket)          # admitted (flow-control ticket, may be None)
+    decision = core.route(d, endpoints, warm)   # decided + dispatched: predictions, load booked
+    core.first_token(d)                     # prefill done: its load moves to decode
+    binding = core.finish(d, output_tokens) # success: load and ticket released, breaker closed
+    core.retry(d, worker, ...)              # before the first byte: release, back to admitted
+    core.fail(d, worker=…)                  # any other end (upstream 4xx/5xx, timeout,
+    core.cancel(d)                          #   client disconnect, cancellation)
+
+Every terminal call releases exactly what `route` booked (the `LoadBook` flight) and the
+ticket, once; later calls on a closed dispatch do nothing, so an outcome reported twice (a
+`finally` after an `except`) cannot release twice, and `close` (cancel unless already closed)
+is safe in every `finally`. `open_dispatches` counts dispatches not yet closed.
+
 `decide` matches the request's block hashes in the prefix index (hybrid-aware: a hit is *full*
 only when the window tail is resident too), builds a `WorkerView` per endpoint (router-tracked
 and scraped load, breaker health, the session's warm worker), lets the policy pick a decode
@@ -19,8 +35,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
+from beamserve.router.flow.fairness import service_tokens
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import Flight, LoadBook
 from beamserve.router.policy import (
@@ -42,6 +60,45 @@ class CoreConfig:
     predict_ttl_s: float = 10.0
 
 
+class Releasable(Protocol):
+    """A flow-control ticket (`beamserve.router.flow.Ticket`): release it exactly once."""
+
+    def release(self, service_tokens: int | None = None) -> None: ...
+
+
+Phase = Literal["admitted", "dispatched", "streaming", "finished", "failed", "cancelled"]
+TERMINAL: frozenset[Phase] = frozenset({"finished", "failed", "cancelled"})
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One request's way through the router, from admission to its end (module docstring).
+
+    `decision`/`flight`: the current attempt's routing decision and booked load (None while
+    admitted). `attempts`: how many attempts were given up before the first byte."""
+
+    request: RouteRequest
+    ticket: Releasable | None = None
+    phase: Phase = "admitted"
+    decision: RouteDecision | None = None
+    flight: Flight | None = None
+    attempts: int = 0
+    excluded: set[str] = field(default_factory=set)
+
+    @property
+    def closed(self) -> bool:
+        return self.phase in TERMINAL
+
+
+@dataclass(frozen=True, slots=True)
+class SessionBinding:
+    """What a finished dispatch asks the session store to record (I/O stays with the caller)."""
+
+    session_id: str
+    worker: str
+    turn_tokens: int
+
+
 class RoutingCore:
     def __init__(
         self,
@@ -58,6 +115,7 @@ class RoutingCore:
         self.index = index if index is not None else PrefixIndex(clock=clock)
         self.loads = loads if loads is not None else LoadBook(clock=clock)
         self.disaggregation = disaggregation
+        self.open_dispatches = 0
 
     def views(
         self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None
@@ -89,6 +147,98 @@ class RoutingCore:
         if self.disaggregation is not None:
             decision = self.disaggregation.apply(request, decision, views)
         return decision
+
+    # --- the dispatch lifecycle ------------------------------------------------------------------
+    def open(self, request: RouteRequest, ticket: Releasable | None = None) -> Dispatch:
+        """A request was admitted (its flow-control `ticket`, if any, is now the dispatch's)."""
+        self.open_dispatches += 1
+        return Dispatch(request, ticket)
+
+    def route(
+        self, d: Dispatch, endpoints: Sequence[Endpoint], warm: str | None = None
+    ) -> RouteDecision:
+        """Decide among `endpoints` (minus those an earlier attempt excluded) and book the
+        decision. Raises `NoCandidates` (the dispatch stays admitted: close it)."""
+        if d.phase != "admitted":
+            raise RuntimeError(f"route() on a dispatch that is {d.phase}")
+        eps = [e for e in endpoints if e.id not in d.excluded] if d.excluded else endpoints
+        if warm is not None and warm in d.excluded:
+            warm = None
+        decision = self.decide(d.request, eps, warm)
+        d.decision = decision
+        d.flight = self.dispatched(d.request, decision)
+        d.phase = "dispatched"
+        return decision
+
+    def first_token(self, d: Dispatch) -> None:
+        """The first output token arrived: the prefill load becomes decode load."""
+        if d.phase == "dispatched" and d.flight is not None:
+            self.loads.first_token(d.flight)
+            d.phase = "streaming"
+
+    def _release_flight(self, d: Dispatch) -> None:
+        if d.flight is not None:
+            self.loads.finish(d.flight)
+            d.flight = None
+
+    def retry(self, d: Dispatch, worker: str, *, worker_failed: bool = True) -> None:
+        """The attempt failed before the first byte: release its load, mark `worker` failed
+        (breaker), exclude it, and go back to admitted for another `route`."""
+        if d.closed:
+            return
+        self._release_flight(d)
+        if worker_failed:
+            self.loads.failed(worker)
+        d.excluded.add(worker)
+        d.attempts += 1
+        d.decision = None
+        d.phase = "admitted"
+
+    def finish(self, d: Dispatch, output_tokens: int = 0) -> SessionBinding | None:
+        """Success: release load and ticket, close the decode worker's breaker; returns the
+        session binding to record (None: no session, or already closed)."""
+        if d.closed:
+            return None
+        decision = d.decision
+        self._close(d, "finished", service_tokens(d.request.prompt_tokens, output_tokens))
+        if decision is None:
+            return None
+        self.loads.succeeded(decision.decode.id)
+        if not d.request.session_id:
+            return None
+        return SessionBinding(
+            d.request.session_id, decision.decode.id, d.request.prompt_tokens + output_tokens
+        )
+
+    def fail(self, d: Dispatch, *, worker: str | None = None, answered: bool = False) -> None:
+        """Any unsuccessful end. `worker`: the worker at fault (its breaker counts a failure);
+        `answered`: the worker answered, refusing the request (a 4xx) — it is alive, so its
+        breaker closes (a half-open probe is not left hanging)."""
+        if d.closed:
+            return
+        decode = d.decision.decode.id if d.decision is not None else None
+        self._close(d, "failed", d.request.prompt_tokens)
+        if worker is not None:
+            self.loads.failed(worker)
+        elif answered and decode is not None:
+            self.loads.succeeded(decode)
+
+    def cancel(self, d: Dispatch) -> None:
+        """The client went away or the task was cancelled: release, blame nobody."""
+        if d.closed:
+            return
+        self._close(d, "cancelled", d.request.prompt_tokens)
+
+    def close(self, d: Dispatch) -> None:
+        """For `finally` blocks: cancel unless the dispatch already ended."""
+        self.cancel(d)
+
+    def _close(self, d: Dispatch, phase: Phase, service: int) -> None:
+        self._release_flight(d)
+        if d.ticket is not None:
+            d.ticket.release(service)
+        d.phase = phase
+        self.open_dispatches -= 1
 
     def uncached_tokens(self, request: RouteRequest, hit: PrefixHit) -> int:
         cached = effective_cached_tokens(

@@ -26,7 +26,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,10 +36,10 @@ from beamserve.router.api.errors import APIError
 from beamserve.router.api.sse import UpstreamSSEDecoder
 from beamserve.router.load import LoadBook
 from beamserve.router.policy import pairs_with
-from beamserve.router.types import Endpoint, RouteDecision
+from beamserve.router.policy.kv_compat import bootstrap_port_of
+from beamserve.router.types import Endpoint, HandoffStyle, RouteDecision
 
 log = structlog.get_logger(__name__)
-HandoffStyle = Literal["vllm", "sglang"]
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
 
 
@@ -52,22 +52,18 @@ class UpstreamError(RuntimeError):
 
 
 def handoff_style(ep: Endpoint) -> HandoffStyle:
-    labels = dict(ep.labels)
-    if ep.engine == "sglang" or labels.get("api") == "sglang":
-        return "sglang"
-    return "vllm"
+    return ep.handoff_style
 
 
 def bootstrap_port(ep: Endpoint) -> int:
-    labels = dict(ep.labels)
-    port = labels.get("bootstrap_port")
-    if port is None:
+    port = bootstrap_port_of(ep)
+    if port is None:  # `pairs_with` never pairs such a worker; a direct caller gets the fix
         raise APIError(
             500,
             f"prefill worker {ep.id} has no bootstrap port; label it bootstrap_port=<port>",
             "api_error",
         )
-    return int(port)
+    return port
 
 
 class UpstreamChunks:
@@ -164,10 +160,7 @@ class Upstreams:
         options = [
             e
             for e in self.endpoints()
-            if e.role == "prefill"
-            and e.id not in tried
-            and pairs_with(e, decode)
-            and self.loads.healthy(e.id)
+            if e.id not in tried and pairs_with(e, decode) and self.loads.healthy(e.id)
         ]
         if not options:
             return None

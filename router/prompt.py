@@ -292,6 +292,14 @@ class BlockCache:
 _Tokens = tuple[list[tuple[int, ...]], bytes | None]  # id parts, their uint32 bytes (or None)
 
 
+class PromptTooLong(ValueError):
+    """The prompt has at least `floor` tokens, over the limit given to `PromptHasher.key`."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__(f"the prompt has at least {floor} tokens")
+        self.floor = floor
+
+
 class PromptHasher:
     """The prompt key of a request (module docstring), incremental across turns.
 
@@ -374,15 +382,26 @@ class PromptHasher:
             out += part
         return tuple(out)
 
-    def _call_tokens(self, call: UpstreamCall) -> _Tokens:
+    def _call_tokens(self, call: UpstreamCall, limit: int | None = None) -> _Tokens:
         prompt = call.prompt
         if isinstance(prompt, list):
             ids = tuple(int(t) for t in prompt)
             return [ids], _uint32(ids)
         if isinstance(prompt, str):
-            return self._encode(prompt)
-        tools: Any = call.body.get("tools")
-        return self._encode(self.codec.render(call.messages_for_session, tools))
+            text = prompt
+        else:
+            tools: Any = call.body.get("tools")
+            text = self.codec.render(call.messages_for_session, tools)
+        if limit is not None and (floor := self.token_floor(text)) > limit:
+            raise PromptTooLong(floor)
+        return self._encode(text)
+
+    def token_floor(self, text: str) -> int:
+        """A number of tokens `text` has at least, known without tokenizing it: no token of a
+        checkpoint's vocabulary covers more than its longest entry's characters, halved for
+        normalizers that compose characters. 0 in approximate mode (no such bound)."""
+        longest = getattr(self.codec, "longest_token_chars", None)
+        return len(text) // (2 * longest) if isinstance(longest, int) and longest > 0 else 0
 
     def token_ids(self, call: UpstreamCall) -> list[int]:
         out: list[int] = []
@@ -434,8 +453,10 @@ class PromptHasher:
         ids = tuple(int(t) for t in token_ids)
         return self._hashes([ids], _uint32(ids))
 
-    def key(self, call: UpstreamCall) -> PromptKey:
-        parts, buf = self._call_tokens(call)
+    def key(self, call: UpstreamCall, limit: int | None = None) -> PromptKey:
+        """The request's prompt key. `limit`: the most tokens it may have; a prompt that has
+        more for sure (`token_floor`) raises `PromptTooLong` before being tokenized."""
+        parts, buf = self._call_tokens(call, limit)
         return PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)
 
 

@@ -32,6 +32,7 @@ from beamserve.router.api.models import API_PATHS, ApiName, parse_request
 from beamserve.router.app import Router, RouterSettings, build_router_app
 from beamserve.router.core import CoreConfig, RoutingCore
 from beamserve.router.discovery import Discovery
+from beamserve.router.facts import FactsBook
 from beamserve.router.flow import (
     FlowConfig,
     FlowController,
@@ -39,6 +40,7 @@ from beamserve.router.flow import (
     SaturationDetector,
 )
 from beamserve.router.grpc_api import PickResult, RouteQuery
+from beamserve.router.grpc_api.ext_proc import ResponseEvent
 from beamserve.router.index import KVEventHub, PrefixIndex
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import Upstreams
@@ -98,11 +100,13 @@ class RouterRuntime:
             saturation=SaturationDetector(SaturationConfig.from_mapping(c.saturation or {})),
         )
         self.sessions = make_session_store(c.redis_url)
+        self.facts = FactsBook()
+        self._discovered: list[Endpoint] = []
         self.hub = KVEventHub(self.index)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         self.upstreams = Upstreams(
             self.http,
-            lambda: self.discovery.endpoints,
+            self.endpoints,
             self.loads,
             prefill_timeout_s=c.prefill_timeout_s,
             first_byte_timeout_s=c.first_byte_timeout_s,
@@ -110,7 +114,7 @@ class RouterRuntime:
         hasher = PromptHasher(c.tokenizer, block_size=c.block_size, scheme=c.hash_scheme)  # type: ignore[arg-type]
         self.router = Router(
             self.core,
-            lambda: self.discovery.endpoints,
+            self.endpoints,
             self.sessions,
             self.flow,
             self.upstreams,
@@ -122,6 +126,10 @@ class RouterRuntime:
         self._tasks: list[asyncio.Task[Any]] = []
         self._froze_gc = False
 
+    def endpoints(self) -> list[Endpoint]:
+        """The discovered workers with what each reported about itself (`router.facts`)."""
+        return self.facts.endpoints(self._discovered)
+
     def _kv_totals(self) -> dict[str, float]:
         t = self.hub.totals()
         return {
@@ -131,8 +139,10 @@ class RouterRuntime:
         }
 
     def _on_endpoints(self, endpoints: list[Endpoint]) -> None:
+        self._discovered = list(endpoints)
         self.hub.sync(endpoints)
         self.loads.forget(e.id for e in endpoints)
+        self.facts.forget(endpoints)
         log.info("router.endpoints", workers=[e.id for e in endpoints])
 
     async def start(self) -> None:
@@ -140,6 +150,10 @@ class RouterRuntime:
         await self.discovery.start()
         with contextlib.suppress(asyncio.TimeoutError):
             await self.discovery.wait_synced(10.0)  # on_change has fired by then
+        # Ask every worker what it is before the first request (P/D pairing, length limits);
+        # the scrape loop asks those that did not answer yet.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.facts.probe(self.http, self._discovered), 5.0)
         self._tasks.append(asyncio.create_task(self._scrape_loop(), name="router-scrape"))
         if self.config.freeze_gc:
             # Everything built so far (modules, app, pydantic models, discovery state) lives as
@@ -173,6 +187,8 @@ class RouterRuntime:
             if h.status_code != 200:
                 self.loads.failed(ep.id)
                 return
+            if self.facts.get(ep) is None:
+                await self.facts.probe(self.http, [ep])
             m = await self.http.get(ep.url + "/metrics", timeout=2.0)
             samples: dict[str, float] = {}
             for fam in text_string_to_metric_families(m.text):
@@ -184,7 +200,7 @@ class RouterRuntime:
             self.loads.failed(ep.id)
 
     async def scrape_once(self) -> None:
-        eps = self.discovery.endpoints
+        eps = self._discovered
         await asyncio.gather(*(self._scrape_one(e) for e in eps))
         self.flow.observe_pool([self.loads.load(e.id) for e in eps if e.can_decode])
 
@@ -211,7 +227,7 @@ class GrpcGlue:
         hdrs = {k.lower(): v for k, v in headers.items()}
         path = hdrs.get(":path", "/v1/chat/completions").split("?")[0]
         api = _API_OF_PATH.get(path)
-        eps = self.rt.discovery.endpoints
+        eps = self.rt.endpoints()
         if api is None:  # not an inference call: any decode worker
             ready = [e for e in eps if e.can_decode and self.rt.loads.healthy(e.id)]
             if not ready:
@@ -221,18 +237,41 @@ class GrpcGlue:
             call = to_upstream(parse_request(api, body, self.rt.router.settings.max_body_bytes))
         except APIError as err:
             return PickResult(endpoint=None, status=err.status, message=err.message)
-        rreq, record = await self.rt.router.route_request(call, hdrs)
         try:
-            d = self.rt.core.decide(rreq, eps, record.worker if record else None)
+            rreq, record = await self.rt.router.route_request(call, hdrs, body_bytes=len(body))
+            self.rt.router.check_length(rreq, call)
+        except APIError as err:  # over the model's length: refused before any upstream call
+            return PickResult(endpoint=None, status=err.status, message=err.message)
+        core = self.rt.core
+        dispatch = core.open(rreq)
+        try:
+            d = core.route(dispatch, eps, record.worker if record else None)
         except NoCandidates as exc:
+            core.close(dispatch)
             return PickResult.unavailable(f"no worker fits: {exc}", retry_after_s=5.0)
-        self.rt.core.dispatched(rreq, d)  # predictions; load is tracked by the workers' metrics
         if rreq.session_id:
             await self.rt.sessions.bind(rreq.session_id, d.decode.id)
+
+        def on_response(event: ResponseEvent, status: int) -> None:
+            # Envoy reports the upstream's answer: it closes the lifecycle the pick opened.
+            if event == "headers":
+                if status >= 500:
+                    core.fail(dispatch, worker=d.decode.id)
+                elif status >= 400:
+                    core.fail(dispatch, answered=True)
+                else:
+                    core.first_token(dispatch)
+            elif event == "end":
+                core.finish(dispatch)  # the session was bound at pick time
+            else:
+                core.close(dispatch)
+
         headers_out: list[tuple[str, str]] = [("x-beamserve-route", f"reason={d.reason}")]
         if d.prefill is not None:
             headers_out.append(("x-prefiller-host-port", _address(d.prefill)))
-        return PickResult.picked(_address(d.decode), set_headers=tuple(headers_out))
+        return PickResult.picked(
+            _address(d.decode), set_headers=tuple(headers_out), on_response=on_response
+        )
 
     async def route(self, query: RouteQuery) -> RouteDecision:
         """`beamserve.router.v1.Router/Route`: the decision only (nothing is sent)."""
@@ -245,7 +284,7 @@ class GrpcGlue:
         rreq = replace(query.to_route_request(block_hashes=tuple(hashes)), prompt_tokens=n)
         record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
         warm = record.worker if record else None
-        return self.rt.core.decide(rreq, self.rt.discovery.endpoints, warm)
+        return self.rt.core.decide(rreq, self.rt.endpoints(), warm)
 
 
 _API_OF_PATH: dict[str, ApiName] = {path: api for api, path in API_PATHS.items()}

@@ -14,6 +14,10 @@ from typing import Literal
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["vllm", "sglang", "sim", "ref"]
 HashScheme = Literal["vllm", "sglang"]
+HandoffStyle = Literal["vllm", "sglang"]
+# vLLM's `kv_transfer_config.kv_role` values, as a discovery label (`kv_role=kv_both`).
+KV_SENDERS = frozenset({"kv_producer", "kv_both"})
+KV_RECEIVERS = frozenset({"kv_consumer", "kv_both"})
 Band = Literal["continuing", "new", "sheddable"]
 BANDS: tuple[Band, ...] = ("continuing", "new", "sheddable")  # highest priority first
 
@@ -26,6 +30,12 @@ class Endpoint:
     (`http://10.0.0.7:8000`). `kv_events` / `kv_replay` are its ZMQ PUB and ROUTER endpoints
     (None: the worker publishes no events). `revision` and `kv_layout` gate P/D pairing: a
     prefill worker and a decode worker pair only when both are equal.
+
+    What the worker says about itself (`beamserve.router.facts`, probed at discovery; None
+    until learned): `api` — its HTTP surface and so its P/D handoff style; `kv_send` /
+    `kv_receive` — whether it can be the prefill / decode side of a KV handoff (SGLang:
+    `disaggregation_mode` from `/server_info`); `bootstrap_port` — SGLang's bootstrap server;
+    `max_model_len` — the longest prompt + output it accepts (`/v1/models`).
     """
 
     id: str
@@ -39,6 +49,40 @@ class Endpoint:
     kv_layout: str = ""
     block_size: int = 64
     labels: tuple[tuple[str, str], ...] = ()
+    api: HandoffStyle | None = None
+    kv_send: bool | None = None
+    kv_receive: bool | None = None
+    bootstrap_port: int | None = None
+    max_model_len: int | None = None
+
+    def label(self, name: str) -> str | None:
+        for k, v in self.labels:
+            if k == name:
+                return v
+        return None
+
+    @property
+    def handoff_style(self) -> HandoffStyle:
+        """The P/D handoff this worker speaks: what it reported, else its engine or labels."""
+        if self.api is not None:
+            return self.api
+        return "sglang" if self.engine == "sglang" or self.label("api") == "sglang" else "vllm"
+
+    @property
+    def sends_kv(self) -> bool:
+        """Can serve the prefill leg of a handoff. Unless the worker said (SGLang's
+        `disaggregation_mode`): a `prefill` role or a vLLM `kv_role` label that sends. A `both`
+        worker is aggregated serving: it has no KV connector to hand KV over."""
+        if self.kv_send is not None:
+            return self.kv_send
+        return self.role == "prefill" or self.label("kv_role") in KV_SENDERS
+
+    @property
+    def receives_kv(self) -> bool:
+        """Can serve the decode leg of a handoff (pull the KV a prefill worker computed)."""
+        if self.kv_receive is not None:
+            return self.kv_receive
+        return self.role == "decode" or self.label("kv_role") in KV_RECEIVERS
 
     @property
     def can_decode(self) -> bool:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from beamserve.router.core import CoreConfig, RoutingCore
+from beamserve.router.core import CoreConfig, Dispatch, RoutingCore
 from beamserve.router.flow import (
     FlowConfig,
     FlowController,
@@ -60,10 +60,9 @@ from beamserve.router.flow import (
     SaturationDetector,
     Shed,
     Ticket,
-    service_tokens,
 )
 from beamserve.router.index.prefix_index import PrefixIndex
-from beamserve.router.load import Flight, LoadBook
+from beamserve.router.load import LoadBook
 from beamserve.router.policy import RoutingPolicy, build_policy
 from beamserve.router.sessions import MemorySessionStore
 from beamserve.router.types import Band, Endpoint, RouteRequest
@@ -391,8 +390,8 @@ class Replay:
             band=rec.band,
             max_tokens=req.output_tokens,
         )
-        decision = self.core.decide(route, self.endpoints, warm=warm)
-        flight = self.core.dispatched(route, decision)
+        flight = self.core.open(route, ticket)
+        decision = self.core.route(flight, self.endpoints, warm=warm)
         worker = decision.decode.id
         if req.session is not None:
             self.sessions.bind_now(req.session, worker, turn_tokens=req.prompt_tokens)
@@ -409,24 +408,19 @@ class Replay:
         )
         try:
             self.engines[worker].submit(
-                sim, lambda u: self._update(rec, flight, ticket, next_k, u), stream=True
+                sim, lambda u: self._update(rec, flight, next_k, u), stream=True
             )
         except SimRequestError:
             rec.failed = True
             rec.finish_s = self.clock.now()
-            self._end(rec, flight, ticket, next_k, rec.finish_s)
+            self._end(rec, flight, next_k, rec.finish_s)
 
     def _update(
-        self,
-        rec: RequestRecord,
-        flight: Flight,
-        ticket: Ticket | None,
-        next_k: int | None,
-        u: RequestUpdate,
+        self, rec: RequestRecord, flight: Dispatch, next_k: int | None, u: RequestUpdate
     ) -> None:
         if rec.first_token_s is None and u.num_output_tokens > 0:
             rec.first_token_s = u.time
-            self.core.loads.first_token(flight)
+            self.core.first_token(flight)
         if not u.finished:
             return
         rec.finish_s = u.time
@@ -436,20 +430,15 @@ class Replay:
             rec.output_tokens = u.metrics.output_tokens
         if u.finish_reason not in ("stop", "length"):
             rec.failed = True
-        self._end(rec, flight, ticket, next_k, u.time)
+        self._end(rec, flight, next_k, u.time)
 
-    def _end(
-        self,
-        rec: RequestRecord,
-        flight: Flight,
-        ticket: Ticket | None,
-        next_k: int | None,
-        at: float,
-    ) -> None:
-        self.core.loads.finish(flight)
+    def _end(self, rec: RequestRecord, flight: Dispatch, next_k: int | None, at: float) -> None:
+        if rec.failed:
+            self.core.fail(flight, worker=rec.worker)
+        else:
+            self.core.finish(flight, rec.output_tokens)  # the session was bound at dispatch
         self._active -= 1
-        if ticket is not None:
-            ticket.release(service_tokens(rec.request.prompt_tokens, rec.output_tokens))
+        if flight.ticket is not None:
             self._observe_pool()
         self._count_done()
         if next_k is not None:

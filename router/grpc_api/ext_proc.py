@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
@@ -80,6 +80,13 @@ _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
+ResponseEvent = Literal["headers", "end", "closed"]
+ResponseHook = Callable[[ResponseEvent, int], None]
+"""`hook(event, status)`: ``headers`` when the upstream's response headers pass (`status` its
+HTTP status), then ``end`` when the response ends (end of stream or trailers), or ``closed``
+when the ext_proc stream ends without it. ``end`` / ``closed``: exactly one, once."""
+
+
 @dataclass(frozen=True, slots=True)
 class PickResult:
     """What the picker decided for one HTTP request.
@@ -87,7 +94,8 @@ class PickResult:
     Either `endpoint` (`ip:port`, IPv6 as `[addr]:port`) with optional `fallbacks` and extra
     request headers to set upstream (`set_headers`, e.g. the prefill worker for P/D), or a
     refusal: `endpoint` None and `status` 4xx/5xx (503: nothing fits, 429: shed) with `message`
-    and `retry_after_s`.
+    and `retry_after_s`. `on_response`: told how the upstream's response goes (`ResponseHook`),
+    so the picker can close what it booked for the request.
     """
 
     endpoint: str | None = None
@@ -96,6 +104,7 @@ class PickResult:
     status: int = 200
     message: str = ""
     retry_after_s: float | None = None
+    on_response: ResponseHook | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.endpoint is None:
@@ -118,8 +127,14 @@ class PickResult:
         *,
         fallbacks: Sequence[str] = (),
         set_headers: Sequence[tuple[str, str]] = (),
+        on_response: ResponseHook | None = None,
     ) -> PickResult:
-        return cls(endpoint=endpoint, fallbacks=tuple(fallbacks), set_headers=tuple(set_headers))
+        return cls(
+            endpoint=endpoint,
+            fallbacks=tuple(fallbacks),
+            set_headers=tuple(set_headers),
+            on_response=on_response,
+        )
 
     @classmethod
     def unavailable(cls, message: str, *, retry_after_s: float | None = None) -> PickResult:
@@ -185,6 +200,18 @@ class ExternalProcessor:
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange = _Exchange(self._pick, self._config)
+        try:
+            async for response in self._process(exchange, request_iterator, context):
+                yield response
+        finally:
+            exchange.closed()
+
+    async def _process(
+        self,
+        exchange: _Exchange,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
         async for request in request_iterator:
             responses, done = await exchange.handle(request)
             if request.observability_mode:
@@ -215,7 +242,23 @@ class _Exchange:
         self._subset: tuple[str, ...] | None = None
         self._body = bytearray()
         self._picked = False
+        self._hook: ResponseHook | None = None
         self.unsupported_mode: str | None = None
+
+    def _tell(self, event: ResponseEvent, status: int = 0) -> None:
+        hook = self._hook
+        if hook is None:
+            return
+        if event != "headers":
+            self._hook = None  # `end` or `closed`: once
+        try:
+            hook(event, status)
+        except Exception:
+            log.exception("ext_proc response hook failed", event=event)
+
+    def closed(self) -> None:
+        """The ext_proc stream ended (or broke): close what the pick opened, if still open."""
+        self._tell("closed")
 
     async def handle(self, req: pb.ProcessingRequest) -> tuple[list[pb.ProcessingResponse], bool]:
         """Answers for one data-plane message, and whether the stream is finished."""
@@ -230,10 +273,16 @@ class _Exchange:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
+            self._tell("headers", _status_of(req.response_headers.headers))
+            if req.response_headers.end_of_stream:
+                self._tell("end")
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())], False
         if kind == "response_body":
+            if req.response_body.end_of_stream:
+                self._tell("end")
             return self._on_response_body(req.response_body), False
         if kind == "response_trailers":
+            self._tell("end")
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())], False
         return [], False
 
@@ -292,6 +341,7 @@ class _Exchange:
         body = bytes(self._body)
         self._body.clear()
         result = await self._decide(body)
+        self._hook = result.on_response
         if result.endpoint is None:
             return [
                 self._refusal(
@@ -336,6 +386,8 @@ class _Exchange:
             and result.endpoint not in self._subset
         ):
             log.warning("pick outside subset", endpoint=result.endpoint, subset=self._subset)
+            if result.on_response is not None:
+                result.on_response("closed", 0)  # nothing goes upstream: release the pick
             return PickResult.unavailable(
                 f"picked endpoint {result.endpoint} is outside the gateway's endpoint subset"
             )
@@ -385,6 +437,15 @@ class _Exchange:
                 )
             ]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+
+def _status_of(header_map: base_pb2.HeaderMap) -> int:
+    """The `:status` pseudo-header of a response (0 when absent or not a number)."""
+    for h in header_map.headers:
+        if h.key == ":status":
+            value = h.raw_value.decode("ascii", "replace") if h.raw_value else h.value
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def _read_headers(header_map: base_pb2.HeaderMap) -> tuple[dict[str, str], bool]:

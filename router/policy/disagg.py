@@ -19,8 +19,13 @@ short local prefill wins. With "either", a 100-token cold prompt (ratio 0) would
 which the issue's wording rules out. Dynamo's default (skip remote prefill when uncached < 2,048
 *and* uncached/total < 0.7) is ``require: either, max_cached_ratio: 0.3``.
 
+Only a decode worker that can receive a KV handoff (`Endpoint.receives_kv`: a decode-role worker,
+or what the worker itself reported) is ever disaggregated; a `both`-role pool is aggregated
+serving and is left alone.
+
 Choosing the prefill worker: among the views that are healthy, prefill-capable, not the decode
-worker itself, and pair with it (`pairs_with`: same revision and KV layout), the lowest
+worker itself, and pair with it (`pairs_with`: it can send and the decode worker can receive a
+handoff in the same style, same revision and KV layout), the lowest
 estimated TTFT (prefix hit + prefill backlog, `beamserve.router.policy.ttft`), ties broken by
 the stable hash of the session/request id. No such worker → prefill locally.
 
@@ -142,6 +147,8 @@ class ConditionalDisaggregation:
         request is disaggregated; unchanged apart from the explain string otherwise."""
         p = self.params
         decode = decision.decode
+        if not decode.receives_kv:  # aggregated serving (a `both` pool): nothing to pair with
+            return decision
         if not p.enabled or not decide_disaggregation(
             request,
             decision.expected_hit,

@@ -2,7 +2,8 @@
 
 Formula: keep ``v`` iff ``v.endpoint.revision == revision`` (when `revision` is set) and
 ``v.endpoint.kv_layout == kv_layout`` (when `kv_layout` is set). `pairs_with(prefill, decode)`
-is the same test between two endpoints: equal `revision` and equal `kv_layout`.
+is the handoff test between two endpoints: equal `revision` and `kv_layout`, and the two can
+actually hand KV over (sender/receiver, same handoff style, bootstrap port known).
 
 Intent: a prefill worker and a decode worker exchange KV only when both run the same model
 revision and the same KV layout (page size, dtype, cache layout). During a rolling update two
@@ -36,8 +37,26 @@ TYPE = "kv-compat"
 
 
 def pairs_with(prefill: Endpoint, decode: Endpoint) -> bool:
-    """True when `prefill`'s KV can be handed to `decode`: same revision and KV layout."""
+    """True when `prefill`'s KV can be handed to `decode`: `prefill` can send and `decode`
+    can receive a handoff (what each worker reported, else its role and labels), both speak
+    the same handoff style, an SGLang-style sender has a known bootstrap port, and both run
+    the same revision and KV layout."""
+    if not (prefill.sends_kv and decode.receives_kv and prefill.id != decode.id):
+        return False
+    style = prefill.handoff_style
+    if style != decode.handoff_style:
+        return False
+    if style == "sglang" and bootstrap_port_of(prefill) is None:
+        return False
     return prefill.revision == decode.revision and prefill.kv_layout == decode.kv_layout
+
+
+def bootstrap_port_of(ep: Endpoint) -> int | None:
+    """An SGLang prefill worker's bootstrap port: reported, else the `bootstrap_port` label."""
+    if ep.bootstrap_port is not None:
+        return ep.bootstrap_port
+    label = ep.label("bootstrap_port")
+    return int(label) if label is not None and label.isdigit() else None
 
 
 class KVCompatParams(PluginParams):

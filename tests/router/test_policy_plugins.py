@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from beamserve.router.policy import (
     HealthyFilter,
@@ -41,11 +43,11 @@ def test_role_filter_decode_and_prefill_and_pool() -> None:
 
 
 def test_kv_compat_filter_matches_revision_and_layout() -> None:
-    d = view("d", revision="r2", kv_layout="L")
+    d = view("d", role="decode", revision="r2", kv_layout="L")
     views = [
-        view("p1", revision="r2", kv_layout="L"),
-        view("p2", revision="r1", kv_layout="L"),
-        view("p3", revision="r2", kv_layout="M"),
+        view("p1", role="prefill", revision="r2", kv_layout="L"),
+        view("p2", role="prefill", revision="r1", kv_layout="L"),
+        view("p3", role="prefill", revision="r2", kv_layout="M"),
     ]
     kept = KVCompatFilter.matching(d.endpoint).filter(request(), views)
     assert [v.endpoint.id for v in kept] == ["p1"]
@@ -53,6 +55,25 @@ def test_kv_compat_filter_matches_revision_and_layout() -> None:
     assert not pairs_with(views[1].endpoint, d.endpoint)
     pinned = KVCompatFilter.from_params({"revision": "r1"}).filter(request(), views)
     assert [v.endpoint.id for v in pinned] == ["p2"]
+
+
+def test_pairs_with_needs_a_sender_a_receiver_and_one_handoff_style() -> None:
+    p, d = view("p", role="prefill").endpoint, view("d", role="decode").endpoint
+    both = view("b").endpoint
+    assert pairs_with(p, d)
+    assert not pairs_with(d, p)  # a decode worker sends nothing
+    assert not pairs_with(both, d) and not pairs_with(p, both)  # `both` = aggregated serving
+    kv_both = replace(both, labels=(("kv_role", "kv_both"),))
+    assert pairs_with(kv_both, d) and pairs_with(p, kv_both)
+    sg_p = replace(p, api="sglang")
+    assert not pairs_with(sg_p, d)  # SGLang sender, vLLM-style receiver
+    sg_d = replace(d, api="sglang")
+    assert not pairs_with(sg_p, sg_d)  # no bootstrap port known
+    assert pairs_with(replace(sg_p, bootstrap_port=8998), sg_d)
+    assert pairs_with(replace(sg_p, labels=(("bootstrap_port", "8998"),)), sg_d)
+    # What the worker reported wins over its role.
+    assert not pairs_with(replace(p, kv_send=False), d)
+    assert pairs_with(replace(both, kv_send=True), d)
 
 
 # --- prefix-affinity --------------------------------------------------------------------------

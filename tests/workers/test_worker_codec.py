@@ -93,3 +93,17 @@ def test_approx_codec_is_deterministic_and_in_vocab(parts: list[str]) -> None:
     ids = a.encode(a.render(msgs))
     assert ids == b.encode(b.render(msgs))
     assert all(16 <= t < 1000 for t in ids)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(text, min_size=1, max_size=6), st.integers(1, 3))
+def test_long_prompts_tokenize_exactly_as_short_ones(
+    tiny_checkpoint: Path, parts: list[str], spread: int
+) -> None:
+    """Past 64K characters `encode` takes the GIL-releasing path; the ids must not change."""
+    codec = PromptCodec.from_model_dir(tiny_checkpoint)
+    unit = "\n".join(parts) + " <|im_start|>user\nlorem ipsum ☃ " * spread
+    long = unit * (65_536 // len(unit) + 1)
+    assert len(long) >= 65_536
+    want = list(codec.tokenizer.encode(long, add_special_tokens=False).ids)
+    assert codec.encode(long) == want

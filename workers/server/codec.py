@@ -14,6 +14,7 @@ so a router using the same codec still predicts the same blocks.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import zlib
@@ -78,6 +79,9 @@ def compile_chat_template(source: str) -> Any:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     return env.from_string(source)
+
+
+_LONG_TEXT_CHARS = 65_536
 
 
 @dataclass
@@ -146,11 +150,22 @@ class PromptCodec:
         return text
 
     def encode(self, text: str) -> list[int]:
+        if len(text) >= _LONG_TEXT_CHARS:
+            # Same pipeline and result; `encode_batch` releases the GIL while it works, so a
+            # long prompt tokenized in a worker thread does not stall the serving event loop.
+            return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         return text
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (a byte-level BPE token's characters
+        stand for one byte each), so a text of n characters has at least n / this tokens."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max((len(t) for t in vocab), default=1)
 
 
 _PIECE = re.compile(r"\s+|\w+|[^\w\s]")

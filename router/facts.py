@@ -1,0 +1,201 @@
+"""What each worker says about itself, learned over HTTP — never guessed from a name.
+
+Discovery knows where a worker is and what it was deployed as (role, pool, revision, labels);
+the worker itself knows what it actually serves. Before a worker takes part in P/D or in the
+router's length check, the router asks it (`probe_facts`):
+
+- ``GET /v1/models`` (vLLM and SGLang both serve it): `max_model_len` of the served model.
+- ``GET /server_info`` (SGLang's surface only; vLLM answers 404): `disaggregation_mode`
+  (``null`` | ``prefill`` | ``decode``), `disaggregation_bootstrap_port`, `page_size`,
+  `context_length`. Its presence is what marks the SGLang surface, whatever the labels say.
+
+`apply_facts(endpoint, facts)` (pure) folds the answers into the `Endpoint`:
+
+(`kv_role` is a discovery label holding vLLM's `kv_transfer_config.kv_role`: senders are
+``kv_producer`` and ``kv_both``, receivers ``kv_consumer`` and ``kv_both``.)
+
+| fact | SGLang surface | vLLM surface |
+|---|---|---|
+| `api` | ``sglang`` | ``vllm`` |
+| `kv_send` | mode ``prefill`` + bootstrap port | role ``prefill`` or `kv_role` ∈ KV_SENDERS |
+| `kv_receive` | mode ``decode`` | role ``decode`` or `kv_role` ∈ KV_RECEIVERS |
+| `bootstrap_port` | reported | — |
+| `max_model_len` | `/v1/models`, else `context_length` | `/v1/models` |
+
+vLLM has no HTTP self-report of its KV connector, so there the deployment's role and labels
+(written by the operator from the same spec that rendered the engine's `--kv-transfer-config`)
+stand. A worker whose discovery role contradicts its own report is logged once and taken at
+its word. Until a worker has answered (`unprobed`), it serves colocated requests only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import structlog
+from beamserve.router.types import KV_RECEIVERS, KV_SENDERS, Endpoint, HandoffStyle
+
+log = structlog.get_logger(__name__)
+
+SGLANG_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    """One worker's answers. `disaggregation_mode` is None on the vLLM surface (not reported)."""
+
+    api: HandoffStyle
+    max_model_len: int | None = None
+    disaggregation_mode: str | None = None
+    bootstrap_port: int | None = None
+    page_size: int | None = None
+    served_models: tuple[str, ...] = ()
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
+def facts_from(
+    models: Mapping[str, Any] | None, server_info: Mapping[str, Any] | None
+) -> WorkerFacts:
+    """Parse `/v1/models` and `/server_info` answers (None: the endpoint did not answer)."""
+    data = models.get("data") if isinstance(models, Mapping) else None
+    entries = [m for m in data if isinstance(m, Mapping)] if isinstance(data, list) else []
+    lens = [n for m in entries if (n := _positive_int(m.get("max_model_len"))) is not None]
+    served = tuple(str(m["id"]) for m in entries if isinstance(m.get("id"), str))
+    if isinstance(server_info, Mapping) and "disaggregation_mode" in server_info:
+        mode = str(server_info.get("disaggregation_mode") or "null")
+        context = _positive_int(server_info.get("context_length"))
+        return WorkerFacts(
+            api="sglang",
+            max_model_len=min(lens) if lens else context,
+            disaggregation_mode=mode if mode in SGLANG_MODES else "null",
+            bootstrap_port=_positive_int(server_info.get("disaggregation_bootstrap_port")),
+            page_size=_positive_int(server_info.get("page_size")),
+            served_models=served,
+        )
+    return WorkerFacts(api="vllm", max_model_len=min(lens) if lens else None, served_models=served)
+
+
+def apply_facts(ep: Endpoint, facts: WorkerFacts | None) -> Endpoint:
+    """`ep` with what the worker reported (table in the module docstring); without facts
+    (not probed yet) it may not take part in a KV handoff."""
+    if facts is None:
+        return replace(ep, kv_send=False, kv_receive=False)
+    if facts.api == "sglang":
+        mode = facts.disaggregation_mode
+        send = mode == "prefill" and facts.bootstrap_port is not None
+        receive = mode == "decode"
+        wanted = {"prefill": "prefill", "decode": "decode", "both": "null"}[ep.role]
+        if mode != wanted:
+            log.warning(
+                "worker.role_mismatch",
+                worker=ep.id,
+                discovery_role=ep.role,
+                reported_disaggregation_mode=mode,
+                fix="the worker's own report wins; relabel it or restart it with the intended "
+                "--disaggregation-mode",
+            )
+    else:
+        kv_role = ep.label("kv_role")
+        send = ep.role == "prefill" or kv_role in KV_SENDERS
+        receive = ep.role == "decode" or kv_role in KV_RECEIVERS
+    return replace(
+        ep,
+        api=facts.api,
+        kv_send=send,
+        kv_receive=receive,
+        bootstrap_port=facts.bootstrap_port,
+        max_model_len=facts.max_model_len,
+    )
+
+
+async def _get_json(http: httpx.AsyncClient, url: str, timeout: float) -> Mapping[str, Any] | None:
+    r = await http.get(url, timeout=timeout)
+    if r.status_code != 200:
+        return None
+    try:
+        value = r.json()
+    except ValueError:
+        return None
+    return value if isinstance(value, Mapping) else None
+
+
+async def probe_facts(
+    http: httpx.AsyncClient, ep: Endpoint, timeout: float = 2.0
+) -> WorkerFacts | None:
+    """Ask one worker (None: unreachable, or `/v1/models` did not answer — try again later)."""
+    try:
+        models = await _get_json(http, ep.url + "/v1/models", timeout)
+        if models is None:
+            return None
+        info = await _get_json(http, ep.url + "/server_info", timeout)
+    except httpx.HTTPError:
+        return None
+    return facts_from(models, info)
+
+
+class FactsBook:
+    """Facts per worker (keyed by id and URL) and the enriched endpoint list.
+
+    `endpoints(discovered)` is called on every request: it rebuilds only when the discovered
+    list or the facts changed."""
+
+    def __init__(self) -> None:
+        self._facts: dict[tuple[str, str], WorkerFacts] = {}
+        self._source: Sequence[Endpoint] | None = None
+        self._version = 0
+        self._built_version = -1
+        self._enriched: list[Endpoint] = []
+
+    def get(self, ep: Endpoint) -> WorkerFacts | None:
+        return self._facts.get((ep.id, ep.url))
+
+    def learned(self, ep: Endpoint, facts: WorkerFacts) -> None:
+        key = (ep.id, ep.url)
+        if self._facts.get(key) != facts:
+            self._facts[key] = facts
+            self._version += 1
+            log.info("worker.facts", worker=ep.id, **_fields(facts))
+
+    def forget(self, keep: Iterable[Endpoint]) -> None:
+        live = {(e.id, e.url) for e in keep}
+        for key in [k for k in self._facts if k not in live]:
+            del self._facts[key]
+            self._version += 1
+
+    def endpoints(self, discovered: Sequence[Endpoint]) -> list[Endpoint]:
+        if discovered is not self._source or self._built_version != self._version:
+            self._enriched = [apply_facts(e, self.get(e)) for e in discovered]
+            self._source, self._built_version = discovered, self._version
+        return self._enriched
+
+    async def probe(
+        self, http: httpx.AsyncClient, endpoints: Iterable[Endpoint], *, only_missing: bool = True
+    ) -> None:
+        todo = [e for e in endpoints if not only_missing or self.get(e) is None]
+        found = await asyncio.gather(*(probe_facts(http, e) for e in todo))
+        for ep, facts in zip(todo, found, strict=True):
+            if facts is not None:
+                self.learned(ep, facts)
+
+
+def _fields(f: WorkerFacts) -> dict[str, Any]:
+    return {
+        "api": f.api,
+        "max_model_len": f.max_model_len,
+        "disaggregation_mode": f.disaggregation_mode,
+        "bootstrap_port": f.bootstrap_port,
+        "page_size": f.page_size,
+    }

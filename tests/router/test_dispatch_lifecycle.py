@@ -1,0 +1,174 @@
+"""The dispatch lifecycle owned by `RoutingCore`: whatever happens to a request — success, an
+upstream refusal, a 5xx, a timeout, a client disconnect, retries before the first byte, an
+outcome reported twice — the books return to zero and each ticket is released exactly once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from beamserve.router.core import Dispatch, RoutingCore
+from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
+from beamserve.router.types import Endpoint, RouteRequest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+PREFILL = [Endpoint(f"p{i}", f"http://p{i}:8000", role="prefill") for i in range(2)]
+DECODE = [Endpoint(f"d{i}", f"http://d{i}:8000", role="decode") for i in range(2)]
+BOTH = [Endpoint(f"b{i}", f"http://b{i}:8000") for i in range(2)]
+
+
+@dataclass
+class CountingTicket:
+    """Stands in for the flow controller's ticket (below the part under test)."""
+
+    releases: int = 0
+    service: int | None = None
+
+    def release(self, service_tokens: int | None = None) -> None:
+        self.releases += 1
+        self.service = service_tokens
+
+
+def make_core() -> RoutingCore:
+    return RoutingCore(
+        build_policy("sticky-until-saturated"),
+        disaggregation=ConditionalDisaggregation.from_params({"min_uncached_tokens": 100}),
+    )
+
+
+def books_are_empty(core: RoutingCore, endpoints: list[Endpoint]) -> None:
+    for e in endpoints:
+        ld = core.loads.load(e.id)
+        assert (ld.in_flight, ld.prefill_tokens, ld.decode_tokens) == (0, 0, 0), e.id
+    assert core.open_dispatches == 0
+
+
+def request(i: int, prompt: int) -> RouteRequest:
+    return RouteRequest(f"r{i}", prompt_tokens=prompt, session_id=f"s{i}", max_tokens=16)
+
+
+# One outcome step: what a path may report about one dispatch, in any order, any number of times.
+STEP = st.sampled_from(["first", "retry", "finish", "fail", "refused", "cancel", "close"])
+
+
+def apply(core: RoutingCore, d: Dispatch, step: str) -> None:
+    worker = d.decision.decode.id if d.decision else "x"
+    if step == "first":
+        core.first_token(d)
+    elif step == "retry":
+        core.retry(d, worker)
+    elif step == "finish":
+        core.finish(d, 5)
+    elif step == "fail":
+        core.fail(d, worker=worker)
+    elif step == "refused":
+        core.fail(d, answered=True)
+    else:
+        getattr(core, step)(d)  # cancel, close
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pools=st.sampled_from(["pd", "both", "mixed"]),
+    plans=st.lists(
+        st.tuples(st.integers(1, 20_000), st.lists(STEP, min_size=1, max_size=8)),
+        min_size=1,
+        max_size=12,
+    ),
+    interleave=st.randoms(use_true_random=False),
+)
+def test_any_outcome_sequence_returns_the_books_to_zero(
+    pools: str, plans: list[tuple[int, list[str]]], interleave: object
+) -> None:
+    endpoints = {"pd": PREFILL + DECODE, "both": BOTH, "mixed": PREFILL + DECODE + BOTH}[pools]
+    core = make_core()
+    tickets = [CountingTicket() for _ in plans]
+    pairs = enumerate(zip(plans, tickets, strict=True))
+    dispatches = [core.open(request(i, p), t) for i, ((p, _), t) in pairs]
+    steps = [(i, s) for i, (_, ss) in enumerate(plans) for s in ss]
+    interleave.shuffle(steps)  # type: ignore[attr-defined]
+    for d in dispatches:
+        core.route(d, endpoints)
+    for i, step in steps:
+        d = dispatches[i]
+        if d.phase == "admitted":  # after a retry: route again, as the HTTP door does
+            try:
+                core.route(d, endpoints)
+            except NoCandidates:  # every worker excluded: the door answers 503 and closes
+                core.close(d)
+        apply(core, d, step)
+    for d in dispatches:
+        core.close(d)  # what every path's `finally` does
+    books_are_empty(core, endpoints)
+    assert all(t.releases == 1 for t in tickets)
+
+
+def open_routed(core: RoutingCore, endpoints: list[Endpoint], prompt: int = 5_000) -> Dispatch:
+    d = core.open(request(0, prompt), CountingTicket())
+    core.route(d, endpoints)
+    return d
+
+
+def test_success_binds_the_session_and_credits_service() -> None:
+    core = make_core()
+    d = open_routed(core, PREFILL + DECODE)
+    assert d.decision is not None and d.decision.prefill is not None  # disaggregated
+    assert core.loads.load(d.decision.prefill.id).prefill_tokens == 5_000
+    core.first_token(d)
+    assert core.loads.load(d.decision.decode.id).decode_tokens == 5_016
+    binding = core.finish(d, output_tokens=10)
+    assert binding is not None and binding.worker == d.decision.decode.id
+    assert binding.turn_tokens == 5_010
+    assert d.ticket is not None and d.ticket.service == 5_000 + 2 * 10  # type: ignore[attr-defined]
+    assert core.finish(d, 10) is None  # already closed: nothing twice
+    books_are_empty(core, PREFILL + DECODE)
+
+
+def test_upstream_refusal_releases_and_does_not_trip_the_breaker() -> None:
+    core = make_core()
+    for _ in range(5):
+        d = open_routed(core, BOTH)
+        core.fail(d, answered=True)
+    assert all(core.loads.healthy(e.id) for e in BOTH)
+    books_are_empty(core, BOTH)
+
+
+def test_upstream_failure_counts_against_the_worker() -> None:
+    core = make_core()
+    for _ in range(3):
+        d = core.open(request(0, 10))
+        core.route(d, BOTH[:1])
+        core.fail(d, worker="b0")
+    assert not core.loads.healthy("b0")
+    books_are_empty(core, BOTH)
+
+
+@pytest.mark.parametrize("end", ["cancel", "close"])
+def test_client_gone_mid_stream_releases(end: str) -> None:
+    core = make_core()
+    d = open_routed(core, BOTH)
+    core.first_token(d)
+    getattr(core, end)(d)
+    assert d.phase == "cancelled"
+    books_are_empty(core, BOTH)
+
+
+def test_retry_excludes_the_failed_worker_and_keeps_the_ticket() -> None:
+    core = make_core()
+    d = open_routed(core, BOTH, prompt=10)
+    first = d.decision.decode.id if d.decision else ""
+    core.retry(d, first)
+    assert d.phase == "admitted" and d.ticket is not None and d.ticket.releases == 0  # type: ignore[attr-defined]
+    second = core.route(d, BOTH)
+    assert second.decode.id != first
+    core.finish(d)
+    books_are_empty(core, BOTH)
+
+
+def test_route_twice_without_an_outcome_is_a_bug() -> None:
+    core = make_core()
+    d = open_routed(core, BOTH)
+    with pytest.raises(RuntimeError, match="dispatched"):
+        core.route(d, BOTH)
+    core.close(d)
