@@ -297,6 +297,10 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     except ProcError as exc:
         console.print(f"[red]{exc}")
         return 1
+    except KeyboardInterrupt:
+        saved = f"; the runs finished so far are in {args.json}" if args.json else ""
+        console.print(f"[yellow]interrupted: every started process was stopped{saved}")
+        return 130
     title = (
         f"beamserve bench agentic — {len(sessions)} sessions, {args.workers} workers "
         f"({args.profile}), token scale {args.token_scale:g}, think scale {args.think_scale:g}"
@@ -343,16 +347,20 @@ def wire_overhead_main(args: argparse.Namespace, console: Console) -> int:
         if got is None:
             return 2
         names = got
-    with console.status(f"measuring wire overhead ({args.tokens:,}-token prompt, n={args.n})"):
-        results = wire_overhead.run_wire(
-            names,
-            tokens=args.tokens,
-            n=args.n,
-            profile=args.profile,
-            targets=targets,
-            worker_url=args.worker,
-            say=console.print,
-        )
+    try:
+        with console.status(f"measuring wire overhead ({args.tokens:,}-token prompt, n={args.n})"):
+            results = wire_overhead.run_wire(
+                names,
+                tokens=args.tokens,
+                n=args.n,
+                profile=args.profile,
+                targets=targets,
+                worker_url=args.worker,
+                say=console.print,
+            )
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: every started process was stopped")
+        return 130
     console.print(
         wire_overhead.table(
             results, f"beamserve bench wire-overhead — {args.tokens:,}-token chat, n={args.n}"
