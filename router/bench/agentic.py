@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,10 +45,13 @@ from .agentic_procs import (
     start_workers,
     tree_cpu_seconds,
 )
-from .agentic_stats import SLO_TOK_S, SLO_TTFT_S, RequestRecord, summarize
+from .agentic_stats import SLO_TOK_S, SLO_TTFT_S, RequestRecord, is_token_chunk, summarize
 from .agentic_workload import PromptBuilder, Session, Turn
 
 MODEL = "beam"
+# Headers and body leave in separate writes: without TCP_NODELAY, Nagle holds the body until
+# the server's delayed ACK (≈ 40 ms on Linux), which would land on some requests and not others.
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 @dataclass
@@ -122,12 +126,10 @@ async def send_turn(
                 if obj.get("error"):
                     rec.status, rec.detail = "stream", str(obj["error"])[:300]
                     break
-                for ch in obj.get("choices") or ():
-                    delta = ch.get("delta") or {}
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        chunks += 1
-                        if rec.first_token is None:
-                            rec.first_token = time.perf_counter()
+                if is_token_chunk(obj):
+                    chunks += 1
+                    if rec.first_token is None:
+                        rec.first_token = time.perf_counter()
                 usage = obj.get("usage")
                 if usage:
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -167,7 +169,8 @@ async def run_level(
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 8))
     timeout = httpx.Timeout(request_timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=NODELAY)
+    async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
 
         async def player() -> None:
             while True:

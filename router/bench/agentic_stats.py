@@ -2,7 +2,7 @@
 
 Definitions (all times client-side, wall clock):
 
-* TTFT — request sent → first SSE chunk carrying output text;
+* TTFT — request sent → first SSE chunk carrying an output token (`is_token_chunk`);
 * per-user tok/s — output tokens / (end − first token), for requests with ≥ 2 output tokens
   and a positive decode span;
 * total / output tok/s — (prompt + output) / output tokens of the successful requests over the
@@ -27,6 +27,18 @@ from typing import Any
 
 SLO_TTFT_S = 2.0
 SLO_TOK_S = 20.0
+
+
+def is_token_chunk(chunk: dict[str, Any]) -> bool:
+    """An OpenAI chat-completion chunk that carries output: non-empty text, or a content delta
+    that is not the opening role chunk (a token may decode to no text), or a finish reason."""
+    for ch in chunk.get("choices") or ():
+        delta = ch.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or ch.get("finish_reason"):
+            return True
+        if "content" in delta and "role" not in delta:
+            return True
+    return False
 
 
 @dataclass(slots=True)

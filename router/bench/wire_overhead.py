@@ -4,8 +4,15 @@ One warm ≈30K-token chat prompt (text built as in `agentic_workload`, 64 token
 under the sim's tokenizer), sent once through the router to warm the worker's prefix cache,
 then `n` times through the router and `n` times directly to the same worker, interleaved
 (router, direct, router, …), each streamed with ``max_tokens`` 1. TTFT: request sent → first
-SSE chunk carrying output text. Reported per router: p50 / p90 of each path and the p50 and
-p90 differences in milliseconds.
+SSE chunk carrying an output token; the client sets TCP_NODELAY and keeps its connections, as
+the routers do upstream. Reported per router: p50 / p90 of each path and the p50 and p90
+differences in milliseconds.
+
+Caveat (seen on this machine, not explained yet): a sim worker answers a request on a reused
+keep-alive connection up to ≈ 40 ms later than on a fresh one when requests follow each other
+closely (a 1-token "hi" chat: 26 ms fresh, 68 ms reused; plain uvicorn + FastAPI in the same
+venv shows nothing of the kind). Both paths reuse connections, so the stall can land on either;
+with a ≈30K-token prompt it mostly hides behind the prefill, with short prompts it dominates.
 
 Self-contained (default): one fresh sim worker per router, the router in front of it alone.
 ``--target URL --worker URL [--peer NAME=URL ...]``: routers already running in front of the
@@ -22,9 +29,10 @@ from typing import Any
 
 import httpx
 
+from .agentic import NODELAY
 from .agentic_procs import ROUTERS, ProcError, Procs, sigterm_as_exception, start_router
 from .agentic_procs import start_workers as _start_workers
-from .agentic_stats import percentile
+from .agentic_stats import is_token_chunk, percentile
 from .agentic_workload import PromptBuilder, synthetic_prompt
 
 
@@ -66,10 +74,10 @@ def ttft_ms(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> f
                 obj = json.loads(line[5:])
             except json.JSONDecodeError:
                 continue
-            if any((c.get("delta") or {}).get("content") for c in obj.get("choices") or ()):
+            if is_token_chunk(obj):
                 first = time.perf_counter()
         if first is None:
-            raise httpx.RemoteProtocolError("no output text in the stream")
+            raise httpx.RemoteProtocolError("no output token in the stream")
     return (first - t0) * 1e3
 
 
@@ -77,7 +85,8 @@ def measure(router_url: str, worker_url: str, name: str, *, tokens: int, n: int)
     builder = PromptBuilder(64)
     messages = synthetic_prompt(builder, tokens, f"wire-{name}")
     res = WireResult(router=name, prompt_tokens=tokens, n=n)
-    with httpx.Client(timeout=60) as client:
+    transport = httpx.HTTPTransport(socket_options=NODELAY)
+    with httpx.Client(transport=transport, timeout=60) as client:
         ttft_ms(client, router_url, messages)  # warm (the worker the router picked)
         ttft_ms(client, worker_url, messages)
         for _ in range(n):

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from beamserve.router.bench.agentic import AgenticConfig, run_agentic
 from beamserve.router.bench.agentic_procs import ROUTERS
-from beamserve.router.bench.agentic_stats import RequestRecord, meets_slo, percentile, summarize
+from beamserve.router.bench.agentic_stats import (
+    RequestRecord,
+    is_token_chunk,
+    meets_slo,
+    percentile,
+    summarize,
+)
 from beamserve.router.bench.agentic_workload import (
     PromptBuilder,
     WorkloadError,
@@ -112,6 +118,14 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile(xs, 90) == pytest.approx(90.1)
     assert percentile(xs, 99) == pytest.approx(99.01)
     assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
+
+
+def test_token_chunks_are_told_from_the_role_chunk() -> None:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert not is_token_chunk(role) and not is_token_chunk({"choices": [], "usage": {}})
+    assert is_token_chunk({"choices": [{"delta": {"content": "we "}}]})
+    assert is_token_chunk({"choices": [{"delta": {"content": ""}}]})  # a token with no text
+    assert is_token_chunk({"choices": [{"delta": {}, "finish_reason": "length"}]})
 
 
 def rec(ttft: float, out: int, decode_s: float, status: str = "ok", **kw: int) -> RequestRecord:
