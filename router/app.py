@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
-import httpx
 import structlog
 from beamserve.router.api import errors as api_errors
 from beamserve.router.api.convert import (
@@ -47,7 +46,12 @@ from beamserve.router.api.convert import (
 from beamserve.router.api.errors import APIError
 from beamserve.router.api.models import API_PATHS, ApiName, ParsedRequest, parse_request
 from beamserve.router.api.session import is_continuing_turn, session_id_from
-from beamserve.router.api.sse import UpstreamStreamError, translator_for
+from beamserve.router.api.sse import (
+    DONE_FRAME,
+    UpstreamStreamError,
+    raw_passthrough_ok,
+    translator_for,
+)
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
 from beamserve.router.metrics import RouterMetrics
@@ -470,23 +474,35 @@ class Router:
             raise
         self.core.first_token(dispatch)
 
+        raw = raw_passthrough_ok(
+            api, client_model=parsed.model, worker_model=first[0].get("model") if first else None
+        )
+
         async def body() -> AsyncIterator[bytes]:
             try:
-                for c in first:
-                    for frame in translator.feed(c):
+                if raw:  # the worker's bytes, untouched (`SSEScanner` watches them)
+                    async for data in chunks.raw(strip_usage=not call.client_wants_usage):
+                        yield data
+                    usage = chunks.scanner.usage or {}
+                else:
+                    for c in first:
+                        for frame in translator.feed(c):
+                            yield frame
+                    async for c in chunks:
+                        for frame in translator.feed(c):
+                            yield frame
+                    for frame in translator.finish():
                         yield frame
-                async for c in chunks:
-                    for frame in translator.feed(c):
-                        yield frame
-                for frame in translator.finish():
-                    yield frame
-            except (UpstreamError, UpstreamStreamError, httpx.HTTPError) as exc:
+                    usage = translator.usage or {}
+            except (UpstreamError, UpstreamStreamError) as exc:
                 log.warning("router.stream_failed", request_id=rreq.request_id, error=str(exc))
                 self.core.fail(dispatch, worker=d.decode.id)
+                if raw and chunks.scanner.error is not None:  # the worker's own error event
+                    yield DONE_FRAME
+                    return
                 for frame in translator.fail(api_errors.upstream_failed(str(exc), api=dialect)):
                     yield frame
                 return
-            usage = translator.usage or {}
             await self._finish(dispatch, int(usage.get("completion_tokens", 0)))
 
         async def closed() -> None:

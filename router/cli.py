@@ -10,6 +10,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from beamserve.argtypes import positive_int
 
 
@@ -98,7 +100,10 @@ def _window_of(model_dir: Path | None) -> int:
 
 def router_main(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_serve(args))
+        # uvloop (libuv) runs the serving loop: the router is I/O-bound, one event loop
+        # carries every client and worker connection.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_serve(args))
     except KeyboardInterrupt:
         return 0
 
@@ -171,7 +176,13 @@ async def _serve(args: argparse.Namespace) -> int:
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(rt.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            rt.app,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            http="httptools",  # C HTTP/1.1 parser (uvicorn's default is pure-Python h11)
+        )
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

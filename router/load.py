@@ -26,6 +26,7 @@ from beamserve.router.types import WorkerLoad
 QUEUE_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING_METRICS = ("vllm:num_requests_running", "sglang:num_running_reqs")
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
+LOAD_METRICS = QUEUE_METRICS + RUNNING_METRICS + KV_USAGE_METRICS
 
 
 @dataclass

@@ -29,11 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
+import orjson
 import structlog
 from beamserve.router.api.convert import UpstreamCall
 from beamserve.router.api.errors import APIError
-from beamserve.router.api.sse import UpstreamSSEDecoder
+from beamserve.router.api.sse import SSEScanner, UpstreamSSEDecoder
 from beamserve.router.load import LoadBook
 from beamserve.router.policy import pairs_with
 from beamserve.router.policy.kv_compat import bootstrap_port_of
@@ -41,6 +42,9 @@ from beamserve.router.types import Endpoint, HandoffStyle, RouteDecision
 
 log = structlog.get_logger(__name__)
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
+# Worker calls are encoded with orjson (a 100K-token conversation is ~0.5 MB of JSON).
+JSON_HEADERS = {"content-type": "application/json"}
+KEEPALIVE_S = 4.0
 
 
 class UpstreamError(RuntimeError):
@@ -67,23 +71,34 @@ def bootstrap_port(ep: Endpoint) -> int:
 
 
 class UpstreamChunks:
-    """The decode worker's SSE stream as decoded chunks: `await first()`, then iterate."""
+    """The decode worker's SSE stream: `await first()` (the first decoded events), then either
+    iterate decoded chunks, or `raw()` for the whole body's bytes as they come (`head`: the
+    bytes `first()` consumed) with `scanner` watching them. Transport errors surface as
+    `UpstreamError`."""
 
-    def __init__(self, worker: str, response: httpx.Response) -> None:
+    def __init__(self, worker: str, response: aiohttp.ClientResponse) -> None:
         self.worker, self._resp = worker, response
         self._decoder = UpstreamSSEDecoder()
-        self._it = response.aiter_bytes()
+        self._it = response.content.iter_any()
         self._pending: list[dict[str, Any]] = []
+        self.head = b""
+        self.scanner = SSEScanner()
+
+    async def _next(self) -> bytes | None:
+        try:
+            return await anext(self._it, None)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise UpstreamError(self.worker, "connect", f"stream broke: {exc!r}") from exc
 
     async def first(self) -> list[dict[str, Any]]:
-        try:
-            while not self._pending and not self._decoder.done:
-                data = await anext(self._it)
-                self._pending = self._decoder.feed(data)
-        except StopAsyncIteration as exc:
-            raise UpstreamError(self.worker, "protocol", "stream ended before any data") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(self.worker, "connect", f"stream broke: {exc}") from exc
+        head: list[bytes] = []
+        while not self._pending and not self._decoder.done:
+            data = await self._next()
+            if data is None:
+                raise UpstreamError(self.worker, "protocol", "stream ended before any data")
+            head.append(data)
+            self._pending = self._decoder.feed(data)
+        self.head = b"".join(head)
         out, self._pending = self._pending, []
         return out
 
@@ -91,47 +106,94 @@ class UpstreamChunks:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[dict[str, Any]]:
-        async for data in self._it:
+        while not self._decoder.done and (data := await self._next()) is not None:
             for chunk in self._decoder.feed(data):
                 yield chunk
-            if self._decoder.done:
-                return
         if not self._decoder.done:
             raise UpstreamError(self.worker, "protocol", "stream ended without [DONE]")
 
+    async def raw(self, *, strip_usage: bool = False) -> AsyncIterator[bytes]:
+        """The whole body from its start (what `first()` read included), as the worker sent
+        it (but for `SSEScanner.strip_usage`); raises `UpstreamError` if the stream ends
+        without `[DONE]` (after an error event, say)."""
+        scanner = self.scanner
+        scanner.strip_usage = strip_usage
+        if out := scanner.feed(self.head):
+            yield out
+        while not scanner.done:
+            data = await self._next()
+            if data is None:
+                if out := scanner.flush():
+                    yield out
+                break
+            if out := scanner.feed(data):
+                yield out
+        if scanner.error is not None:
+            raise UpstreamError(self.worker, "protocol", scanner.error)
+        if not scanner.done:
+            raise UpstreamError(self.worker, "protocol", "stream ended without [DONE]")
+
     async def aclose(self) -> None:
-        await self._resp.aclose()
+        """A stream read to its end gives its connection back for reuse; one cut short closes
+        it, which is how the worker learns to abort the request."""
+        if self._decoder.done or self.scanner.done:
+            self._resp.release()
+        else:
+            self._resp.close()
 
 
 class Upstreams:
     def __init__(
         self,
-        http: httpx.AsyncClient,
         endpoints: Callable[[], list[Endpoint]],
         loads: LoadBook,
         *,
         prefill_timeout_s: float = 30.0,
         first_byte_timeout_s: float = 120.0,
         connect_timeout_s: float = 2.0,
+        max_connections: int = 1000,
     ) -> None:
-        self.http, self.endpoints, self.loads = http, endpoints, loads
+        self.endpoints, self.loads = endpoints, loads
         self.prefill_timeout_s = prefill_timeout_s
-        self.timeout = httpx.Timeout(
-            connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=30.0
+        self.connect_timeout_s = connect_timeout_s
+        # A decode stream may pause between tokens but never longer than the first byte.
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_read=first_byte_timeout_s
         )
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """Keep-alive connections to the workers (aiohttp: its C HTTP parser keeps the
+        per-token cost of relaying a stream low). Created in the serving loop on first use."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections,
+                    # Engines' uvicorn closes idle connections after 5 s: let them go first.
+                    keepalive_timeout=KEEPALIVE_S,
+                ),
+                auto_decompress=False,
+            )
+        return self._session
+
     # --- legs ------------------------------------------------------------------------------------
-    async def _post(self, ep: Endpoint, path: str, body: dict[str, Any], timeout: Any) -> Any:
+    async def _post(self, ep: Endpoint, path: str, body: dict[str, Any], timeout: float) -> Any:
+        t = aiohttp.ClientTimeout(total=timeout, connect=self.connect_timeout_s)
         try:
-            r = await self.http.post(ep.url + path, json=body, timeout=timeout)
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(ep.id, "timeout", f"no answer in time ({exc!r})") from exc
-        except httpx.HTTPError as exc:
+            async with self.http.post(
+                ep.url + path, data=orjson.dumps(body), headers=JSON_HEADERS, timeout=t
+            ) as r:
+                status, raw = r.status, await r.read()
+        except TimeoutError as exc:
+            raise UpstreamError(ep.id, "timeout", f"no answer in {timeout} s") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamError(ep.id, "connect", f"unreachable ({exc!r})") from exc
-        _check_status(ep, r.status_code, r.text)
+        _check_status(ep, status, raw.decode(errors="replace"))
         try:
-            return r.json()
+            return orjson.loads(raw)
         except ValueError as exc:
             raise UpstreamError(ep.id, "protocol", "answer is not JSON") from exc
 
@@ -220,32 +282,44 @@ class Upstreams:
         self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
     ) -> dict[str, Any]:
         body = await self._decode_body(d, call, on_fallback)
-        answer = await self._post(d.decode, call.path, body, self.timeout)
+        answer = await self._post(d.decode, call.path, body, self.first_byte_timeout_s)
         if not isinstance(answer, dict):
             raise UpstreamError(d.decode.id, "protocol", "answer is not a JSON object")
         return answer
+
+    @property
+    def first_byte_timeout_s(self) -> float:
+        return float(self.timeout.sock_read or 0.0)
 
     async def stream(
         self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
     ) -> UpstreamChunks:
         body = await self._decode_body(d, call, on_fallback)
         ep = d.decode
-        req = self.http.build_request("POST", ep.url + call.path, json=body, timeout=self.timeout)
         try:
-            resp = await self.http.send(req, stream=True)
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(ep.id, "timeout", f"no answer in time ({exc!r})") from exc
-        except httpx.HTTPError as exc:
+            resp = await self.http.post(
+                ep.url + call.path, data=orjson.dumps(body), headers=JSON_HEADERS,
+                timeout=self.timeout,
+            )  # fmt: skip
+        except TimeoutError as exc:
+            raise UpstreamError(ep.id, "timeout", "no answer in time") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamError(ep.id, "connect", f"unreachable ({exc!r})") from exc
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            await resp.aclose()
-            _check_status(ep, resp.status_code, text)
+        if resp.status != 200:
+            try:
+                text = (await resp.read()).decode(errors="replace")
+            except (TimeoutError, aiohttp.ClientError):
+                text = ""
+            finally:
+                resp.release()
+            _check_status(ep, resp.status, text)
         return UpstreamChunks(ep.id, resp)
 
     async def aclose(self) -> None:
         for t in list(self._background):
             t.cancel()
+        if self._session is not None:
+            await self._session.close()
 
 
 def _check_status(ep: Endpoint, status: int, text: str) -> None:

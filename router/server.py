@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,13 +43,12 @@ from beamserve.router.flow import (
 from beamserve.router.grpc_api import PickResult, RouteQuery
 from beamserve.router.grpc_api.ext_proc import ResponseEvent
 from beamserve.router.index import KVEventHub, PrefixIndex
-from beamserve.router.load import LoadBook
+from beamserve.router.load import LOAD_METRICS, LoadBook
 from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
 from beamserve.router.prompt import PromptHasher
 from beamserve.router.sessions import make_session_store
 from beamserve.router.types import Endpoint, RouteDecision
-from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +105,6 @@ class RouterRuntime:
         self.hub = KVEventHub(self.index)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         self.upstreams = Upstreams(
-            self.http,
             self.endpoints,
             self.loads,
             prefill_timeout_s=c.prefill_timeout_s,
@@ -190,11 +189,7 @@ class RouterRuntime:
             if self.facts.get(ep) is None:
                 await self.facts.probe(self.http, [ep])
             m = await self.http.get(ep.url + "/metrics", timeout=2.0)
-            samples: dict[str, float] = {}
-            for fam in text_string_to_metric_families(m.text):
-                for s in fam.samples:
-                    samples[s.name] = samples.get(s.name, 0.0) + s.value
-            self.loads.scraped(ep.id, samples)
+            self.loads.scraped(ep.id, load_samples(m.text))
             self.loads.succeeded(ep.id)
         except (httpx.HTTPError, ValueError):
             self.loads.failed(ep.id)
@@ -285,6 +280,26 @@ class GrpcGlue:
         record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
         warm = record.worker if record else None
         return self.rt.core.decide(rreq, self.rt.endpoints(), warm)
+
+
+_LOAD_SAMPLE = re.compile(
+    r"^(" + "|".join(re.escape(n) for n in LOAD_METRICS) + r")"
+    r'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
+    re.MULTILINE,
+)
+
+
+def load_samples(text: str) -> dict[str, float]:
+    """The load metrics (`LOAD_METRICS`) in a Prometheus text exposition, each summed over its
+    label sets. One regular-expression pass: the scrape runs every second for every worker,
+    and a full exposition parse of everything else the engine exports was most of its cost."""
+    out: dict[str, float] = {}
+    for name, value in _LOAD_SAMPLE.findall(text):
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 _API_OF_PATH: dict[str, ApiName] = {path: api for api, path in API_PATHS.items()}

@@ -13,6 +13,9 @@ frames (bytes) to write. After `finish`/`fail`, further calls return nothing.
 
 - `OpenAIPassthrough` (chat, completions): `data: <chunk>` … `data: [DONE]`; the usage-only
   chunk only if the client asked for it; `model` rewritten to the client's name.
+- Byte passthrough (`SSEScanner`): when the client speaks the worker's API, asked for usage and
+  named the worker's model, the worker's bytes go to the client untouched; the scanner only
+  watches them — `[DONE]`, an error event, the usage chunk (the only events it decodes).
 - `AnthropicStream` (messages): `event: message_start` (+ `ping`), then per thinking / text /
   tool_use block `content_block_start`, `content_block_delta` (`thinking_delta`, `text_delta`,
   `input_json_delta`), `content_block_stop`; then `message_delta` (stop_reason, usage) and
@@ -147,6 +150,88 @@ class UpstreamSSEDecoder:
         if not isinstance(value, dict):
             raise UpstreamStreamError(f"worker sent a non-object event: {payload[:200]!r}")
         out.append(value)
+
+
+@dataclass
+class SSEScanner:
+    """Watches an OpenAI SSE byte stream forwarded to the client (see module docstring).
+
+    `feed(data) -> bytes` takes the body in arbitrary pieces and returns what to forward: the
+    complete lines received so far, unchanged — except, with `strip_usage` (the client did not
+    ask for usage; the router always asks the worker), usage-only events are dropped and
+    `usage` fields removed. `done` is set by `data: [DONE]`, `usage` by the usage chunk,
+    `error` by an error event (its message). Only `data:` lines that mention `"usage"` with a
+    value or `"error"` are decoded, so the cost per token is a few byte searches."""
+
+    strip_usage: bool = False
+    done: bool = False
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    _tail: bytes = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._tail + data if self._tail else data
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            self._tail = buf
+            return b""
+        self._tail = buf[cut + 1 :]
+        head = buf[: cut + 1]
+        if b'"usage"' not in head and b'"error"' not in head and b"[DONE]" not in head:
+            return head
+        out: list[bytes] = []
+        skip_blank = False
+        for line in head.splitlines(keepends=True):
+            if skip_blank and line.strip() == b"":
+                skip_blank = False
+                continue
+            skip_blank = False
+            if line.startswith(b"data:"):
+                kept = self._line(line)
+                if kept is None:
+                    skip_blank = True  # the event's blank line goes with it
+                    continue
+                line = kept
+            out.append(line)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is left at the end of the body (a last line without its newline)."""
+        tail, self._tail = self._tail, b""
+        return self.feed(tail + b"\n")[:-1] if tail else b""
+
+    def _line(self, line: bytes) -> bytes | None:
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return line
+        if b'"error"' not in payload and (
+            b'"usage"' not in payload or b'"usage":null' in payload or b'"usage": null' in payload
+        ):
+            return line
+        try:
+            value = json.loads(payload)
+        except ValueError as exc:
+            raise UpstreamStreamError(f"worker sent a non-JSON event: {payload[:200]!r}") from exc
+        if not isinstance(value, dict):
+            return line
+        if (err := _upstream_error(value)) is not None:
+            self.error = err.message
+        if not isinstance(value.get("usage"), Mapping):
+            return line
+        self.usage = dict(value["usage"])
+        if not self.strip_usage:
+            return line
+        if not value.get("choices"):
+            return None
+        value.pop("usage")
+        return sse_frame(value)[:-1]  # one newline: the event's blank line follows
+
+
+def raw_passthrough_ok(api: ApiName, *, client_model: str | None, worker_model: Any) -> bool:
+    """Whether the worker's SSE bytes can go to the client as they are: an OpenAI API (the
+    worker's own) and the same model name."""
+    return api in ("chat", "completions") and (client_model is None or client_model == worker_model)
 
 
 class StreamTranslator(Protocol):

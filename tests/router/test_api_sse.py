@@ -17,12 +17,15 @@ from anthropic.types import Message, RawMessageStreamEvent
 from beamserve.router.api.errors import overloaded, upstream_failed
 from beamserve.router.api.models import ResponsesRequest, parse_request
 from beamserve.router.api.sse import (
+    DONE_FRAME,
     AnthropicStream,
     OpenAIPassthrough,
     ResponsesStream,
+    SSEScanner,
     UpstreamSSEDecoder,
     UpstreamStreamError,
     error_event,
+    sse_frame,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -352,3 +355,53 @@ def test_completions_stream_passthrough() -> None:
     chunks = list(client.completions.create(model="beam", prompt="x", stream=True))
     assert chunks and all(c.model == "beam" for c in chunks)
     assert door.upstream_bodies[0]["prompt"] == "x"
+
+
+# --- byte passthrough ---------------------------------------------------------------------------
+
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=8)
+
+
+def _worker_stream(texts: list[str], usage: bool, error: bool) -> bytes:
+    base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "beam"}
+    frames = [sse_frame({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})]
+    for t in texts:
+        frames.append(sse_frame({**base, "choices": [{"index": 0, "delta": {"content": t}}]}))
+    if error:
+        frames.append(sse_frame({"error": {"message": "engine failed", "code": 500}}))
+        return b"".join(frames)
+    if usage:
+        frames.append(sse_frame({**base, "choices": [], "usage": {"completion_tokens": 7}}))
+    frames.append(DONE_FRAME)
+    return b"".join(frames)
+
+
+@given(
+    texts=st.lists(_TEXT, max_size=6),
+    usage=st.booleans(),
+    error=st.booleans(),
+    strip=st.booleans(),
+    cuts=st.lists(st.integers(0, 4000), max_size=8),
+)
+def test_scanner_forwards_the_bytes_and_sees_the_end(
+    texts: list[str], usage: bool, error: bool, strip: bool, cuts: list[int]
+) -> None:
+    """Any split of a worker's stream: unchanged bytes out (usage events dropped only when
+    stripping), `[DONE]`, usage and error events noticed — the same events the decoding
+    passthrough would have sent."""
+    body = _worker_stream(texts, usage, error)
+    scanner = SSEScanner(strip_usage=strip)
+    bounds = sorted({0, len(body), *(c for c in cuts if c < len(body))})
+    out = b"".join(scanner.feed(body[a:b]) for a, b in itertools.pairwise(bounds))
+    out += scanner.flush()
+    assert scanner.done is not error
+    assert (scanner.error is not None) is error
+    assert scanner.usage == ({"completion_tokens": 7} if usage and not error else None)
+    if not strip:
+        assert out == body
+    events = UpstreamSSEDecoder().feed(body)
+    if strip:
+        events = [e for e in events if e.get("choices") or "usage" not in e]
+    again = UpstreamSSEDecoder()
+    assert again.feed(out) == events
+    assert again.done is not error

@@ -3,9 +3,12 @@ breaker opens after repeated failures, half-opens for one probe, and closes on s
 
 from __future__ import annotations
 
-from beamserve.router.load import BreakerParams, LoadBook
+from beamserve.router.load import LOAD_METRICS, BreakerParams, LoadBook
+from beamserve.router.server import load_samples
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class Clock:
@@ -65,3 +68,43 @@ def test_load_returns_to_zero(ops: list[tuple[str, int, bool]]) -> None:
     for w in ("a", "b"):
         ld = book.load(w)
         assert (ld.prefill_tokens, ld.decode_tokens, ld.in_flight) == (0, 0, 0)
+
+
+_LABEL = st.text("abcxyz", min_size=1, max_size=4)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from((*LOAD_METRICS, "vllm:num_requests_waiting_total", "other:metric")),
+            st.dictionaries(_LABEL, st.text(max_size=6), max_size=2),
+            st.floats(-1e6, 1e6, allow_nan=False),
+        ),
+        max_size=12,
+    )
+)
+def test_load_samples_agree_with_the_exposition_parser(
+    series: list[tuple[str, dict[str, str], float]],
+) -> None:
+    """The scrape's one-regex reader sums each load metric over its label sets exactly as a
+    full Prometheus text parse does, and ignores every other metric."""
+    registry = CollectorRegistry()
+    gauges: dict[tuple[str, tuple[str, ...]], Gauge] = {}
+    for name, labels, value in series:
+        keys = tuple(sorted(labels))
+        g = gauges.get((name, keys))
+        if g is None:
+            if any(n == name for n, _ in gauges):
+                continue  # one label schema per metric name
+            g = gauges[(name, keys)] = Gauge(name, "h", keys, registry=registry)
+        (g.labels(**labels) if keys else g).set(value)
+    text = generate_latest(registry).decode()
+    want: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in LOAD_METRICS:
+                want[s.name] = want.get(s.name, 0.0) + s.value
+    got = load_samples(text)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v))

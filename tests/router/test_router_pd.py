@@ -8,7 +8,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.models import parse_request
 from beamserve.router.discovery import parse_endpoint_specs
@@ -45,10 +44,12 @@ def test_failed_prefill_leg_is_retried_on_a_pairing_prefill_worker(
     loads.start("alive", 50_000, 50_000)
 
     async def main() -> dict[str, object]:
-        async with httpx.AsyncClient() as http:
-            up = Upstreams(http, lambda: eps, loads, prefill_timeout_s=5)
+        up = Upstreams(lambda: eps, loads, prefill_timeout_s=5)
+        try:
             decision = RouteDecision(decode=by_id["decode"], prefill=by_id["dead"])
             return await up.unary(decision, call, lambda r, w: fallbacks.append((r, w)))
+        finally:
+            await up.aclose()
 
     answer = asyncio.run(main())
     assert answer["usage"]["completion_tokens"] == 3  # type: ignore[index]
