@@ -254,6 +254,8 @@ class RouterSpec:
     def unavailable(self) -> str | None:
         """Why it cannot run here (None: it can)."""
         if self.exe() is None:
+            if self.name == "beamserve-baseline":
+                return "set BEAMSERVE_BASELINE to another build's beamserve executable"
             if self.kind == "sglang-router":
                 return "sglang_router is not importable in this venv (pip install sglang-router)"
             return f"{self.package} is not installed in {peers_venv()} (run `make peers`)"
@@ -300,8 +302,18 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
             e["kv_events"] = w.kv_events
             e["kv_replay"] = w.kv_replay
         endpoints.append(e)
-    return [beamserve_exe(), "router", "--host", "127.0.0.1", "--port", "0",
+    exe = spec.exe()
+    assert exe is not None
+    # The sim workers speak SGLang's surface, whose KV events hash pages SGLang's way.
+    return [exe, "router", "--host", "127.0.0.1", "--port", "0", "--hash-scheme", "sglang",
             "--endpoints", json.dumps(endpoints), "--policy", spec.policy]  # fmt: skip
+
+
+def _baseline_exe() -> str | None:
+    """`BEAMSERVE_BASELINE`: the `beamserve` executable of another build (an earlier commit,
+    say), to run beside this one as router `beamserve-baseline`."""
+    exe = os.environ.get("BEAMSERVE_BASELINE")
+    return exe if exe and Path(exe).is_file() else None
 
 
 def _sglang_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
@@ -327,6 +339,8 @@ def _router_specs() -> dict[str, RouterSpec]:
     specs = [
         RouterSpec("beamserve", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True),
+        RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("smg-cache_aware", "smg", "cache_aware", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("smg-round_robin", "smg", "round_robin", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("sglang-router-cache_aware", "sglang-router", "cache_aware", "sglang-router",
