@@ -570,7 +570,29 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
-def build_router_app(router: Router) -> FastAPI:
+class RouterASGI:
+    """The router's ASGI app: the inference calls (`API_PATHS`, POST) go straight to
+    `Router.handle` and their answer straight to the server's `send` — no framework middleware
+    wraps each streamed chunk (`Router.handle` turns every error into an API-shaped answer
+    itself). Everything else (`/v1/models`, `/health`, `/metrics`, `/debug/…`, other
+    methods) is the FastAPI app `app`."""
+
+    def __init__(self, router: Router, app: FastAPI) -> None:
+        self.router, self.app = router, app
+        self.state = app.state
+        self._apis: dict[str, ApiName] = {path: api for api, path in API_PATHS.items()}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            api = self._apis.get(scope["path"])
+            if api is not None:
+                response = await self.router.handle(api, Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_router_app(router: Router) -> RouterASGI:
     app = FastAPI(title="beamserve router")
     app.state.router = router
 
@@ -610,4 +632,4 @@ def build_router_app(router: Router) -> FastAPI:
             out.append({"id": e.id, "url": e.url, "role": e.role, "load": dataclasses.asdict(ld)})
         return JSONResponse(out)
 
-    return app
+    return RouterASGI(router, app)

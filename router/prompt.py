@@ -19,8 +19,12 @@ Continuing turns are incremental, with results identical to the from-scratch com
   piece between them, so when no added token can overlap an occurrence of the split token,
   every occurrence starts an extracted token and the encoding of the whole text is the
   concatenation of the encodings of the segments. For `ApproxCodec`: any string that starts
-  with punctuation (a piece of its own in `_PIECE`). Token ids per segment string live in a
-  bounded LRU (`SegmentCache`), so a turn only tokenizes its new messages.
+  with punctuation (a piece of its own in `_PIECE`); and, since its pieces are runs of one
+  character class, a long segment is cut further every `chunk_chars` characters at the next
+  change of class (`piece_chunks`) — cuts that depend only on the text before them, so a
+  message that grows by appending (an agent's one long user turn) keeps its earlier chunks.
+  Token ids per segment string live in a bounded LRU (`SegmentCache`), so a turn only
+  tokenizes its new text.
 * **Block hashes.** A bounded LRU trie of blocks (`BlockCache`): (parent node, the block's
   tokens as uint32 bytes) → (node, digest, event id), rooted per scheme, block size and vLLM
   `NONE_HASH`. Dict keys compare by value, so a hit is exact: only blocks past the longest
@@ -44,6 +48,7 @@ HashScheme = Literal["vllm", "sglang"]
 
 APPROX_SPLIT_TOKENS = ("<|im_start|>",)
 DEFAULT_SEGMENT_CACHE_BYTES = 128 << 20
+DEFAULT_CHUNK_CHARS = 4096
 DEFAULT_BLOCK_CACHE_BLOCKS = 1 << 17  # 8.4M tokens of 64-token blocks, ≈ 70 MB
 _U32 = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type
 
@@ -104,6 +109,38 @@ class PromptKey:
             f"PromptKey(token_ids=<{self.prompt_tokens} tokens>, "
             f"block_hashes=<{len(self.block_hashes)} blocks>, precise={self.precise})"
         )
+
+
+def _piece_class(c: str) -> int:
+    """`ApproxCodec`'s piece classes: 0 whitespace (`\\s`), 1 word (`\\w`), 2 other (a piece
+    of its own)."""
+    if c.isspace():
+        return 0
+    return 1 if c.isalnum() or c == "_" else 2
+
+
+def piece_chunks(seg: str, size: int) -> list[str]:
+    """`seg` cut about every `size` characters, each cut at the first index ≥ the target where
+    `ApproxCodec` starts a new piece whatever came before (the two characters differ in class,
+    or one is of neither run class); `"".join` gives `seg` back."""
+    n = len(seg)
+    if size <= 0 or n <= size:
+        return [seg]
+    out: list[str] = []
+    start = 0
+    while n - start > size:
+        i = start + size
+        while i < n:
+            a, b = _piece_class(seg[i - 1]), _piece_class(seg[i])
+            if a != b or a == 2:
+                break
+            i += 1
+        if i >= n:
+            break
+        out.append(seg[start:i])
+        start = i
+    out.append(seg[start:])
+    return out
 
 
 def _straddles(token: str, split: str) -> bool:
@@ -313,6 +350,7 @@ class PromptHasher:
         block_size: int = 64,
         scheme: HashScheme = "vllm",
         segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
         block_cache_blocks: int = DEFAULT_BLOCK_CACHE_BLOCKS,
     ) -> None:
         self.codec: Codec = (
@@ -324,6 +362,8 @@ class PromptHasher:
         self.segments = SegmentCache(segment_cache_bytes)
         self.blocks = BlockCache(block_cache_blocks)
         self.split_tokens = split_tokens(self.codec)
+        # Cutting inside a segment is provably safe for ApproxCodec only (`piece_chunks`).
+        self.chunk_chars = chunk_chars if type(self.codec) is ApproxCodec else 0
         # One int object per id below the vocabulary size: cached tuples hold shared ints
         # (8 bytes a token, not 36) and compare by identity first.
         self._ints = tuple(range(max(0, int(self.codec.vocab_size))))
@@ -339,17 +379,21 @@ class PromptHasher:
             while at >= 0:
                 cuts.append(at)
                 at = text.find(tok, at + len(tok))
-        if not cuts:
-            return [text]
-        if len(self.split_tokens) > 1:
-            cuts.sort()
         segs: list[str] = []
-        prev = 0
-        for cut in cuts:
-            if cut > prev:
-                segs.append(text[prev:cut])
-                prev = cut
-        segs.append(text[prev:])
+        if cuts:
+            if len(self.split_tokens) > 1:
+                cuts.sort()
+            prev = 0
+            for cut in cuts:
+                if cut > prev:
+                    segs.append(text[prev:cut])
+                    prev = cut
+            segs.append(text[prev:])
+        else:
+            segs = [text]
+        size = self.chunk_chars
+        if size and any(len(seg) > size for seg in segs):
+            return [c for seg in segs for c in piece_chunks(seg, size)]
         return segs
 
     def _encode_segment(self, seg: str) -> _Seg:

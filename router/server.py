@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
 import structlog
 from beamserve.router.api.convert import to_upstream
@@ -180,18 +181,24 @@ class RouterRuntime:
         await self.sessions.close()
         self.flow.close()
 
+    async def _get_text(self, url: str) -> tuple[int, str]:
+        async with self.upstreams.http.get(url, timeout=SCRAPE_TIMEOUT) as r:
+            return r.status, await r.text()
+
     async def _scrape_one(self, ep: Endpoint) -> None:
+        # Over the workers' aiohttp keep-alive connections: every second, for every worker.
         try:
-            h = await self.http.get(ep.url + "/health", timeout=2.0)
-            if h.status_code != 200:
+            status, _ = await self._get_text(ep.url + "/health")
+            if status != 200:
                 self.loads.failed(ep.id)
                 return
             if self.facts.get(ep) is None:
                 await self.facts.probe(self.http, [ep])
-            m = await self.http.get(ep.url + "/metrics", timeout=2.0)
-            self.loads.scraped(ep.id, load_samples(m.text))
+            status, text = await self._get_text(ep.url + "/metrics")
+            if status == 200:
+                self.loads.scraped(ep.id, load_samples(text))
             self.loads.succeeded(ep.id)
-        except (httpx.HTTPError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             self.loads.failed(ep.id)
 
     async def scrape_once(self) -> None:
@@ -282,6 +289,7 @@ class GrpcGlue:
         return self.rt.core.decide(rreq, self.rt.endpoints(), warm)
 
 
+SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _LOAD_SAMPLE = re.compile(
     r"^(" + "|".join(re.escape(n) for n in LOAD_METRICS) + r")"
     r'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',

@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
+import orjson
 from beamserve.router.api.errors import APIError, ErrorDialect, invalid_request, too_large
 from pydantic import (
     BaseModel,
@@ -603,7 +604,14 @@ def parse_request(api: ApiName, body: bytes, max_bytes: int) -> ParsedRequest:
     if len(body) > max_bytes:
         raise too_large(max_bytes, len(body), api=dialect)
     try:
-        raw = json.loads(body)
+        # orjson for speed; what it refuses (NaN, huge integers, bad escapes) goes through the
+        # standard parser, so accepted bodies and error messages stay the same.
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raw = None
+    try:
+        if raw is None:
+            raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(None, f"request body is not valid JSON: {exc}", api=dialect) from None
     except RecursionError:

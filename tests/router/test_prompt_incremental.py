@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from beamserve.router.api.convert import UpstreamCall
-from beamserve.router.prompt import PromptHasher, PromptKey, split_tokens
+from beamserve.router.prompt import PromptHasher, PromptKey, piece_chunks, split_tokens
 from beamserve.workers.hashing import block_hashes, hash_blocks_sglang
 from beamserve.workers.server.codec import _PIECE, ApproxCodec, PromptCodec, compile_chat_template
 from hypothesis import HealthCheck, given, settings
@@ -291,3 +291,26 @@ def test_approx_encode_matches_its_formula(s: str, vocab: int) -> None:
     assert codec.encode(s) == expected  # from the memo
     codec.vocab_size = vocab + 1  # a changed vocabulary never reads a stale memo
     assert codec.encode(s) == [zlib.crc32(p.encode()) % (span + 1) + 16 for p in _PIECE.findall(s)]
+
+
+_CHUNK_TEXT = st.text(
+    st.sampled_from(list("ab_9 \t\n.,;é٣\u00a0\u2003ß漢-")) | st.characters(), max_size=300
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_CHUNK_TEXT, more=_CHUNK_TEXT, size=st.integers(1, 40))
+def test_piece_chunks_cut_where_approx_tokenization_restarts(
+    text: str, more: str, size: int
+) -> None:
+    """Cutting a segment every `size` characters at a change of piece class changes no token,
+    and a text that grows by appending keeps all its earlier chunks but the last."""
+    chunks = piece_chunks(text, size)
+    assert "".join(chunks) == text
+    codec = ApproxCodec()
+    assert [t for c in chunks for t in codec.encode(c)] == codec.encode(text)
+    grown = piece_chunks(text + more, size)
+    assert grown[: len(chunks) - 1] == chunks[:-1]
+    h = PromptHasher(None, chunk_chars=size, segment_cache_bytes=1 << 20)
+    assert h.encode(text) == tuple(codec.encode(text))
+    assert h.encode(text + more) == tuple(codec.encode(text + more))  # from cached chunks
