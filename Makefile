@@ -94,9 +94,9 @@ bench: install
 
 # The routing benchmarks of docs/bench/route.md (≈ 10 min on 2 cores; --capacity runs are longer).
 bench-route: install
-	$(VENV)/bin/beamserve bench route --trace ../shared/traces/claude-code --load 1 \
+	$(VENV)/bin/beamserve bench route --trace data/traces/claude-code --load 1 \
 	    --json bench-results/route-claude-code.json
-	$(VENV)/bin/beamserve bench route --trace ../shared/traces/mooncake/conversation_trace.jsonl \
+	$(VENV)/bin/beamserve bench route --trace data/traces/mooncake/conversation_trace.jsonl \
 	    --load 1 --json bench-results/route-mooncake.json
 	$(VENV)/bin/beamserve bench route-overhead --json bench-results/route-overhead.json
 

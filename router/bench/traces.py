@@ -1,6 +1,6 @@
 """Trace loaders for `beamserve bench route`: agentic sessions and open-loop request streams.
 
-Two sets (``../shared/traces/README.md``):
+Two sets (bundled in ``data/traces/``, see its README):
 
 * **claude-code** (a directory of ``trace_*.json``, one session per file, 64-token blocks, hash
   ids local to a file) → a *closed-loop* `Trace`: one `TraceSession` per file, its requests in

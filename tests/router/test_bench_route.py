@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # bundled with the repository
 CLAUDE = TRACES / "claude-code"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CLAUDE.exists(), reason="shared traces not present")
+needs_traces = pytest.mark.skipif(not CLAUDE.exists(), reason="data/traces not present")
 
 REQUIRED = {
     "policy",
