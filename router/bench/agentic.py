@@ -400,23 +400,7 @@ def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
             if r.skipped:
                 t.add_row(r.router, "skipped", r.skipped[:60], *[""] * 10)
                 continue
-            errs = ", ".join(f"{k}×{v}" for k, v in d["errors"].items()) or "0"
-            cpu = d.get("router_cpu_s_per_request")
-            t.add_row(
-                r.router,
-                f"{d['ok']}/{d['requests']}",
-                errs,
-                _f(d["total_tok_s_per_gpu"], ",.0f"),
-                _f(d["output_tok_s_per_gpu"], ",.1f"),
-                _f(d["ttft_p50_s"], ".3f"),
-                _f(d["ttft_p90_s"], ".3f"),
-                _f(d["ttft_p99_s"], ".3f"),
-                _f(d["user_tok_s_p50"], ".1f"),
-                _f(d["user_tok_s_p90"], ".1f"),
-                _f(d["cache_hit_ratio"], ".3f"),
-                _f(d["goodput_rps"], ".3f"),
-                _f(cpu * 1e3 if cpu is not None else None, ".1f"),
-            )
+            t.add_row(*_cells(r.router, d))
         out.append(t)
     return out
 
@@ -472,24 +456,7 @@ def markdown(results: Sequence[LevelResult]) -> str:
             if r.skipped:
                 lines.append(f"| {r.router} | skipped: {r.skipped} |" + " |" * (len(head) - 2))
                 continue
-            errs = ", ".join(f"{k}×{v}" for k, v in d["errors"].items()) or "0"
-            cpu = d.get("router_cpu_s_per_request")
-            cells = [
-                r.router,
-                f"{d['ok']}/{d['requests']}",
-                errs,
-                _f(d["total_tok_s_per_gpu"], ",.0f"),
-                _f(d["output_tok_s_per_gpu"], ",.1f"),
-                _f(d["ttft_p50_s"], ".3f"),
-                _f(d["ttft_p90_s"], ".3f"),
-                _f(d["ttft_p99_s"], ".3f"),
-                _f(d["user_tok_s_p50"], ".1f"),
-                _f(d["user_tok_s_p90"], ".1f"),
-                _f(d["cache_hit_ratio"], ".3f"),
-                _f(d["goodput_rps"], ".3f"),
-                _f(cpu * 1e3 if cpu is not None else None, ".1f"),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join(_cells(r.router, d)) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -498,3 +465,24 @@ def read_json(path: Path) -> list[LevelResult]:
     """Results written by `write_json`."""
     rows = json.loads(path.read_text())
     return [LevelResult(str(d["router"]), int(d["concurrency"]), d) for d in rows]
+
+
+def _cells(router: str, d: dict[str, Any]) -> list[str]:
+    """One result row, as the table and the Markdown print it."""
+    errs = ", ".join(f"{k}×{v}" for k, v in d["errors"].items()) or "0"
+    cpu = d.get("router_cpu_s_per_request")
+    return [
+        router,
+        f"{d['ok']}/{d['requests']}",
+        errs,
+        _f(d["total_tok_s_per_gpu"], ",.0f"),
+        _f(d["output_tok_s_per_gpu"], ",.1f"),
+        _f(d["ttft_p50_s"], ".3f"),
+        _f(d["ttft_p90_s"], ".3f"),
+        _f(d["ttft_p99_s"], ".3f"),
+        _f(d["user_tok_s_p50"], ".1f"),
+        _f(d["user_tok_s_p90"], ".1f"),
+        _f(d["cache_hit_ratio"], ".3f"),
+        _f(d["goodput_rps"], ".3f"),
+        _f(cpu * 1e3 if cpu is not None else None, ".1f"),
+    ]
