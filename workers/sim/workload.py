@@ -10,7 +10,7 @@ hashes in a hash table.
 
 Shapes (docs/sim.md, "Workloads", gives the reasoning and the sensitivity):
 
-- `OPENHANDS`: the seeds' OpenHands replay (../shared/traces/README.md): a 74K-token first
+- `OPENHANDS`: the seeds' OpenHands replay (data/traces/README.md): a 74K-token first
   prompt, +753 tokens and 220 output tokens per turn, 13 turns (≈92% prefix-cache hit). The
   tool time between turns is not published; 2.7 s (ASSUMED, set by the published throughput)
   — the claude-code set's think time has p10 4 s, OpenHands' local tools are quicker.
@@ -97,7 +97,7 @@ OPENHANDS = SessionShape(
     output_tokens_per_turn=220,
     turns=13,
     think_time_s=2.7,
-    source="../shared/traces/README.md (seeds' OpenHands replay)",
+    source="data/traces/README.md (seeds' OpenHands replay)",
 )
 
 AGENTX = SessionShape(
