@@ -314,7 +314,8 @@ class Router:
         its session (headers, else the conversation's opening), the prompt's token count and
         block hashes, its band, and the session's record. `headers` have lower-case names.
         `body_bytes`: the request body's size (large ones are hashed off the event loop)."""
-        session_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers)
+        limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
+        session_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
         record = await self.sessions.get(session_id)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
@@ -329,12 +330,11 @@ class Router:
         return rreq, record
 
     def _prompt_facts(
-        self, call: UpstreamCall, headers: Mapping[str, str]
+        self, call: UpstreamCall, headers: Mapping[str, str], limit: int | None
     ) -> tuple[str, PromptKey]:
         session_id, _source = session_id_from(
             headers, call.messages_for_session or call.prompt or ""
         )
-        limit = self.max_model_len()
         try:
             return session_id, self.hasher.key(call, limit)
         except PromptTooLong as exc:  # refused without tokenizing all of it

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
+import aiohttp
 import structlog
 from beamserve.router.types import KV_RECEIVERS, KV_SENDERS, Endpoint, HandoffStyle
 
@@ -121,27 +121,30 @@ def apply_facts(ep: Endpoint, facts: WorkerFacts | None) -> Endpoint:
     )
 
 
-async def _get_json(http: httpx.AsyncClient, url: str, timeout: float) -> Mapping[str, Any] | None:
-    r = await http.get(url, timeout=timeout)
-    if r.status_code != 200:
-        return None
-    try:
-        value = r.json()
-    except ValueError:
-        return None
+async def _get_json(
+    http: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout
+) -> Mapping[str, Any] | None:
+    async with http.get(url, timeout=timeout) as r:
+        if r.status != 200:
+            return None
+        try:
+            value = await r.json(content_type=None)
+        except ValueError:
+            return None
     return value if isinstance(value, Mapping) else None
 
 
 async def probe_facts(
-    http: httpx.AsyncClient, ep: Endpoint, timeout: float = 2.0
+    http: aiohttp.ClientSession, ep: Endpoint, timeout: float = 2.0
 ) -> WorkerFacts | None:
     """Ask one worker (None: unreachable, or `/v1/models` did not answer — try again later)."""
+    t = aiohttp.ClientTimeout(total=timeout)
     try:
-        models = await _get_json(http, ep.url + "/v1/models", timeout)
+        models = await _get_json(http, ep.url + "/v1/models", t)
         if models is None:
             return None
-        info = await _get_json(http, ep.url + "/server_info", timeout)
-    except httpx.HTTPError:
+        info = await _get_json(http, ep.url + "/server_info", t)
+    except (TimeoutError, aiohttp.ClientError):
         return None
     return facts_from(models, info)
 
@@ -182,7 +185,11 @@ class FactsBook:
         return self._enriched
 
     async def probe(
-        self, http: httpx.AsyncClient, endpoints: Iterable[Endpoint], *, only_missing: bool = True
+        self,
+        http: aiohttp.ClientSession,
+        endpoints: Iterable[Endpoint],
+        *,
+        only_missing: bool = True,
     ) -> None:
         todo = [e for e in endpoints if not only_missing or self.get(e) is None]
         found = await asyncio.gather(*(probe_facts(http, e) for e in todo))

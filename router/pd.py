@@ -38,7 +38,7 @@ from beamserve.router.api.sse import SSEScanner, UpstreamSSEDecoder
 from beamserve.router.load import LoadBook
 from beamserve.router.policy import pairs_with
 from beamserve.router.policy.kv_compat import bootstrap_port_of
-from beamserve.router.types import Endpoint, HandoffStyle, RouteDecision
+from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
@@ -53,10 +53,6 @@ class UpstreamError(RuntimeError):
     def __init__(self, worker: str, reason: str, message: str) -> None:
         super().__init__(f"{worker}: {message}")
         self.worker, self.reason = worker, reason
-
-
-def handoff_style(ep: Endpoint) -> HandoffStyle:
-    return ep.handoff_style
 
 
 def bootstrap_port(ep: Endpoint) -> int:
@@ -236,7 +232,7 @@ class Upstreams:
         prefill = d.prefill
         if prefill is None:
             return body
-        if handoff_style(prefill) == "sglang":
+        if prefill.handoff_style == "sglang":
             host = urlsplit(prefill.url).hostname or "127.0.0.1"
             boot = {
                 "bootstrap_host": host,

@@ -26,7 +26,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import httpx
 import structlog
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.errors import APIError
@@ -104,7 +103,6 @@ class RouterRuntime:
         self.facts = FactsBook()
         self._discovered: list[Endpoint] = []
         self.hub = KVEventHub(self.index)
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         self.upstreams = Upstreams(
             self.endpoints,
             self.loads,
@@ -153,7 +151,7 @@ class RouterRuntime:
         # Ask every worker what it is before the first request (P/D pairing, length limits);
         # the scrape loop asks those that did not answer yet.
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.facts.probe(self.http, self._discovered), 5.0)
+            await asyncio.wait_for(self.facts.probe(self.upstreams.http, self._discovered), 5.0)
         self._tasks.append(asyncio.create_task(self._scrape_loop(), name="router-scrape"))
         if self.config.freeze_gc:
             # Everything built so far (modules, app, pydantic models, discovery state) lives as
@@ -174,7 +172,6 @@ class RouterRuntime:
         await self.discovery.stop()
         await self.hub.aclose()
         await self.upstreams.aclose()
-        await self.http.aclose()
         if self._froze_gc:
             gc.unfreeze()  # frozen objects become collectable again (tests start many runtimes)
             self._froze_gc = False
@@ -193,7 +190,7 @@ class RouterRuntime:
                 self.loads.failed(ep.id)
                 return
             if self.facts.get(ep) is None:
-                await self.facts.probe(self.http, [ep])
+                await self.facts.probe(self.upstreams.http, [ep])
             status, text = await self._get_text(ep.url + "/metrics")
             if status == 200:
                 self.loads.scraped(ep.id, load_samples(text))
