@@ -294,7 +294,10 @@ def test_approx_encode_matches_its_formula(s: str, vocab: int) -> None:
 
 
 _CHUNK_TEXT = st.text(
-    st.sampled_from(list("ab_9 \t\n.,;é٣\u00a0\u2003ß漢-")) | st.characters(), max_size=300
+    # No lone surrogates: request bodies cannot carry them (parse_request refuses them).
+    st.sampled_from(list("ab_9 \t\n.,;é٣\u00a0\u2003ß漢-"))
+    | st.characters(exclude_categories=("Cs",)),
+    max_size=300,
 )
 
 
