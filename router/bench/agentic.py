@@ -326,6 +326,7 @@ def _one_run(
             )
         )
         out = _figures(records, dur, gpus, cfg)
+        _write_records(cfg, f"{target_url.split('//')[-1].replace(':', '_').strip('/')}-c{level}", records)
         out |= {"url": target_url, "router_cpu_s": None, "router_cpu_s_per_request": None}
         return out
     assert spec is not None
@@ -348,6 +349,7 @@ def _one_run(
         cpu1 = tree_cpu_seconds(router.proc.pid)
         alive = router.proc.alive()
     out = _figures(records, dur, gpus, cfg)
+    _write_records(cfg, f"{spec.name}-c{level}", records)
     cpu = cpu1 - cpu0
     out |= {
         "url": router.url,
@@ -357,6 +359,31 @@ def _one_run(
         "router_alive_at_end": alive,
     }
     return out
+
+
+def _write_records(cfg: AgenticConfig, run: str, records: list[RequestRecord]) -> None:
+    """With `--logs DIR`: every request of the run, one JSON object a line, in
+    ``DIR/RUN/requests.jsonl`` (times in seconds from the run's first request)."""
+    if cfg.logs is None or not records:
+        return
+    t0 = min(r.sent for r in records)
+    path = cfg.logs / run / "requests.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in records:
+            row = {
+                "session": r.session,
+                "turn": r.turn,
+                "status": r.status,
+                "sent_s": round(r.sent - t0, 6),
+                "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 6),
+                "end_s": round(r.end - t0, 6),
+                "user_tok_s": r.user_tok_s,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "output_tokens": r.output_tokens,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def _figures(

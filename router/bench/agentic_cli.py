@@ -175,7 +175,8 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
         help="run nothing: print (and --markdown / --plot) the results of an earlier --json",
     )
     p.add_argument("--logs", type=Path, default=None, metavar="DIR",
-                   help="keep every started process's stdout/stderr here")  # fmt: skip
+                   help="keep every started process's stdout/stderr here, and every request's "
+                        "record (RUN/requests.jsonl)")  # fmt: skip
     return p
 
 

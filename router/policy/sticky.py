@@ -6,7 +6,9 @@ Rule, for the candidates left by the filters (default: `healthy`, `role: decode`
 uncached tokens, a partial hit recomputing its window tail, over the prefill rate)::
 
     warm worker w₀ among the candidates, best other b = argmin_{w ≠ w₀} ttft(w):
-        leave w₀ for b  iff  ttft(w₀) − ttft(b) > margin_s  AND  ttft(w₀) > margin_ratio · ttft(b)
+        recompute(b)  = move_cost · (uncached(b) − uncached(w₀)) / prefill_tok_s
+        leave w₀ for b  iff  ttft(w₀) − ttft(b) > margin_s + recompute(b)
+                        AND  ttft(w₀) > margin_ratio · ttft(b)
                                                         → reason "rebalance"
         otherwise stay on w₀                             → reason "sticky"
     no warm worker among the candidates:
@@ -21,7 +23,13 @@ few), so the margin is hysteresis against estimation noise and pays for what lea
 later (the next turns lose their warm cache). The absolute margin ignores differences too small
 to matter (0.1 s vs 0.3 s); the ratio ignores differences that are large in seconds but small
 relative to a long prefill (30 s vs 31.5 s). Set ``margin_ratio: 1`` for an absolute-only rule,
-``margin_s: 0`` for a ratio-only rule. The no-warm case is Dynamo's cost rule in seconds
+``margin_s: 0`` for a ratio-only rule.
+
+Why the recompute term: ``ttft(b)`` prices the prefill the move repeats for *this* request, but
+not for the pool. The repeated tokens are work the pool would not otherwise do, and every
+request queued on ``b`` after this one waits for them too. When the whole pool is saturated a
+move swaps one long queue for another and adds that work; the saving must pay for it a second
+time (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it. The no-warm case is Dynamo's cost rule in seconds
 (``cost = prefill blocks + decode load``), llm-d's "sticky until saturated" for the warm case.
 
 Scores reported in the decision: ``1 / (1 + ttft_s)`` per candidate (1 = instant).
@@ -32,6 +40,7 @@ Data: `WorkerView.warm`, `.hit`, `.load`; `RouteRequest.prompt_tokens`, `.sessio
 |---|---|---|
 | `margin_s` | ``1.0`` | leave only if warm TTFT − best other's > this (s) |
 | `margin_ratio` | ``1.5`` | … and warm TTFT > this × best other's |
+| `move_cost` | ``1.0`` | … and the difference also > this × the move's recompute seconds |
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
@@ -64,12 +73,21 @@ KIND = "sticky-until-saturated"
 class StickyParams(TTFTParams):
     margin_s: float = Field(default=1.0, ge=0)
     margin_ratio: float = Field(default=1.5, ge=1.0)
+    move_cost: float = Field(default=1.0, ge=0.0)
 
 
-def should_leave_warm(warm_ttft_s: float, best_other_ttft_s: float, params: StickyParams) -> bool:
-    """True iff the warm worker is saturated relative to the best alternative (both margins)."""
+def should_leave_warm(
+    warm_ttft_s: float,
+    best_other_ttft_s: float,
+    params: StickyParams,
+    recompute_tokens: float = 0.0,
+) -> bool:
+    """True iff the warm worker is saturated relative to the best alternative: both margins,
+    the absolute one raised by what the move recomputes (`recompute_tokens`, priced at
+    `move_cost` × the prefill rate)."""
+    recompute_s = params.move_cost * max(recompute_tokens, 0.0) / params.prefill_tok_s
     return (
-        warm_ttft_s - best_other_ttft_s > params.margin_s
+        warm_ttft_s - best_other_ttft_s > params.margin_s + recompute_s
         and warm_ttft_s > params.margin_ratio * best_other_ttft_s
     )
 
@@ -102,8 +120,12 @@ class StickyUntilSaturated:
                 chosen, reason = w0, "sticky"
             else:
                 best = self._cheapest(request, others, est)
+                e0, eb = est[w0.endpoint.id], est[best.endpoint.id]
                 leave = should_leave_warm(
-                    est[w0.endpoint.id].seconds, est[best.endpoint.id].seconds, self.params
+                    e0.seconds,
+                    eb.seconds,
+                    self.params,
+                    recompute_tokens=eb.uncached_tokens - e0.uncached_tokens,
                 )
                 chosen, reason = (best, "rebalance") if leave else (w0, "sticky")
         else:
@@ -132,7 +154,7 @@ class StickyUntilSaturated:
         p = self.params
         parts = [
             f"policy={self.name} pick={chosen.endpoint.id} "
-            f"margin_s={p.margin_s:g} margin_ratio={p.margin_ratio:g}"
+            f"margin_s={p.margin_s:g} margin_ratio={p.margin_ratio:g} move_cost={p.move_cost:g}"
         ]
         for v in sorted(cands, key=lambda v: (est[v.endpoint.id].seconds, v.endpoint.id)):
             e = est[v.endpoint.id]

@@ -7,10 +7,12 @@ from beamserve.router.policy import (
     NoCandidates,
     StickyParams,
     StickyUntilSaturated,
+    TTFTParams,
     build_policy,
+    estimate_ttft,
     estimate_ttft_s,
 )
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.router._policy_views import request, view
@@ -49,6 +51,17 @@ def test_absolute_margin_alone_does_not_leave_a_long_prefill() -> None:
     other = view("b", prefill=300_000)
     d = policy().route(request(0), [warm, other])
     assert d.reason == "sticky"
+
+
+def test_saturated_pool_keeps_the_session_when_the_move_only_repeats_its_prefill() -> None:
+    # warm: 25000 queued → 2.5 s; other: cold, 5000 queued, 8192 to recompute → 1.32 s.
+    # Δ 1.18 s > 1 s and 2.5 > 1.5 × 1.32, but the move repeats 0.82 s of prefill for the pool:
+    # 1.18 < 1 + 0.82 → sticky. Without the recompute term (move_cost 0) it would leave.
+    warm = view("a", blocks=128, window_ok=True, prefill=25000, warm=True)
+    other = view("b", prefill=5000)
+    assert policy().route(request(8192), [warm, other]).reason == "sticky"
+    free = StickyUntilSaturated(params=PARAMS.model_copy(update={"move_cost": 0.0}))
+    assert free.route(request(8192), [warm, other]).reason == "rebalance"
 
 
 def test_no_warm_worker_prefers_prefix_then_load() -> None:
@@ -107,6 +120,7 @@ worker = st.fixed_dictionaries(
     prompt=st.integers(1, 16384),
     margin_s=st.floats(0, 5),
     margin_ratio=st.floats(1, 3),
+    move_cost=st.floats(0, 2),
 )
 def test_sticky_leaves_iff_margins_exceeded(
     warm: dict[str, int],
@@ -114,8 +128,11 @@ def test_sticky_leaves_iff_margins_exceeded(
     prompt: int,
     margin_s: float,
     margin_ratio: float,
+    move_cost: float,
 ) -> None:
-    params = StickyParams(prefill_tok_s=RATE, margin_s=margin_s, margin_ratio=margin_ratio)
+    params = StickyParams(
+        prefill_tok_s=RATE, margin_s=margin_s, margin_ratio=margin_ratio, move_cost=move_cost
+    )
     pol = StickyUntilSaturated(params=params)
     views = [view("warm", warm=True, **warm)]  # type: ignore[arg-type]
     views += [view(f"o{i}", **o) for i, o in enumerate(others)]  # type: ignore[arg-type]
@@ -124,9 +141,20 @@ def test_sticky_leaves_iff_margins_exceeded(
     def ttft(v: object) -> float:
         return estimate_ttft_s(v, req, prefill_tok_s=RATE)  # type: ignore[arg-type]
 
+    def uncached(v: object) -> float:
+        return estimate_ttft(v, req, TTFTParams(prefill_tok_s=RATE)).uncached_tokens  # type: ignore[arg-type]
+
     t_warm = ttft(views[0])
     t_best = min(ttft(v) for v in views[1:])
-    exceeded = t_warm - t_best > margin_s and t_warm > margin_ratio * t_best
+    # the move's recompute: the tokens the best other lacks that the warm worker holds
+    verdicts = {
+        t_warm - t_best > margin_s + move_cost * (uncached(v) - uncached(views[0])) / RATE
+        and t_warm > margin_ratio * t_best
+        for v in views[1:]
+        if ttft(v) == t_best
+    }
+    assume(len(verdicts) == 1)  # tied best others that disagree: either answer is the rule's
+    (exceeded,) = verdicts
     d = pol.route(req, views)
     if exceeded:
         assert d.decode.id != "warm" and d.reason == "rebalance"
