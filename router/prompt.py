@@ -1,7 +1,7 @@
 """From a client request to the token ids and block hashes the engine will cache.
 
 Precise mode (a checkpoint directory is configured): render the chat exactly as the engine does
-(`beamserve.workers.server.codec.PromptCodec`: the checkpoint's chat template and tokenizer)
+(`beamserve.kvwire.codec.PromptCodec`: the checkpoint's chat template and tokenizer)
 and hash `block_size`-token blocks with the engine's scheme — vLLM's chained sha256 for vLLM,
 `sim` and `ref` workers; SGLang's page hash for SGLang workers — so the router's index keys are
 the very hashes the engines publish in their KV events.
@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from beamserve.kvwire.codec import ApproxCodec, Codec, PromptCodec
+from beamserve.kvwire.hashing import hash_blocks_sglang, hash_blocks_vllm, none_hash
 from beamserve.router.api.convert import UpstreamCall
-from beamserve.workers.hashing import hash_blocks_sglang, hash_blocks_vllm, none_hash
-from beamserve.workers.server.codec import ApproxCodec, Codec, PromptCodec
 
 HashScheme = Literal["vllm", "sglang"]
 

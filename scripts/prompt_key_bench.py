@@ -17,9 +17,9 @@ import statistics
 import time
 from typing import Any
 
+from beamserve.kvwire.hashing import block_hashes, hash_blocks_sglang
 from beamserve.router.api.convert import UpstreamCall
 from beamserve.router.prompt import PromptHasher
-from beamserve.workers.hashing import block_hashes, hash_blocks_sglang
 
 WORDS = (  # noqa: SIM905 (one readable block)
     "def class return import self value error file test build run the of and to in is for "

@@ -17,6 +17,7 @@ SUBPACKAGES = (
     "beamserve",
     "beamserve.kv_transfer",
     "beamserve.kv_transfer.backends",
+    "beamserve.kvwire",
     "beamserve.workers",
     "beamserve.workers.sim",
     "beamserve.workers.launch",

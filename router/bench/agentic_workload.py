@@ -15,7 +15,7 @@ capped at `max_think_s` (the set holds pauses of up to 21 hours).
 Prompts. Token-id arrays are refused by the SGLang gateway, so every turn is sent as chat
 messages: one user message whose text is the concatenation of one *block text* per trace hash
 id. A block text tokenizes to exactly `block_tokens` tokens under the sim worker's tokenizer
-without a checkpoint (`beamserve.workers.server.codec.ApproxCodec`, one token per regex piece:
+without a checkpoint (`beamserve.kvwire.codec.ApproxCodec`, one token per regex piece:
 a word, one punctuation mark or a run of whitespace): ``k`` words each followed by one space
 (``2k`` pieces), led by one ``.`` when `block_tokens` is odd. Blocks never merge pieces across
 their boundary (each ends with whitespace, none starts with it). Words are derived from

@@ -1,7 +1,7 @@
 """`beamserve bench route-overhead`: what one routing decision costs, and the index's memory.
 
 Setup: 64 colocated workers, a warm `PrefixIndex` fed through `apply` with engine-format KV
-events (`beamserve.workers.cache_events`: each worker holds `prompts_per_worker` distinct
+events (`beamserve.kvwire.events`: each worker holds `prompts_per_worker` distinct
 128K-token prompts, full-attention group for every block and the window group for the blocks
 covering the last 512 tokens, as a Beam engine reports them), a `LoadBook` with work in flight
 on every worker, and a `RoutingCore` with the policy under test (default `beamserve`, the
@@ -17,7 +17,7 @@ Measured (wall clock, this process):
   router does once started (`RouterRuntime.start`, `RuntimeConfig.freeze_gc`);
 * `decision_cpu_p99_ms` — the same decisions' p99 in this thread's CPU time: what a decision
   costs when other processes preempt this one (the wall-clock p99 includes the preemption);
-* `hashing_ms` — ``beamserve.workers.hashing.block_hashes`` over the prompt's 131,072 token
+* `hashing_ms` — ``beamserve.kvwire.hashing.block_hashes`` over the prompt's 131,072 token
   ids (vLLM's sha256 scheme), median of a few runs, reported separately;
 * `dispatch_p99_ms` — ``core.dispatched`` (predictions for 2,048 blocks + load booking);
 * `decisions_per_s` — 1 / mean decision time (one core, one thread);
@@ -36,17 +36,17 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from beamserve.router.core import CoreConfig, RoutingCore
-from beamserve.router.index.prefix_index import PrefixIndex, measure_index_memory
-from beamserve.router.load import LoadBook
-from beamserve.router.types import Endpoint, RouteRequest
-from beamserve.workers.cache_events import (
+from beamserve.kvwire.events import (
     FULL_ATTENTION_KIND,
     SLIDING_WINDOW_KIND,
     BlockStored,
     KVEventBatch,
 )
-from beamserve.workers.hashing import block_hashes
+from beamserve.kvwire.hashing import block_hashes
+from beamserve.router.core import CoreConfig, RoutingCore
+from beamserve.router.index.prefix_index import PrefixIndex, measure_index_memory
+from beamserve.router.load import LoadBook
+from beamserve.router.types import Endpoint, RouteRequest
 
 from .replay import make_policy
 

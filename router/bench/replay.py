@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from beamserve.kvwire.events import KVEventBatch
 from beamserve.router.core import CoreConfig, Dispatch, RoutingCore
 from beamserve.router.flow import (
     FlowConfig,
@@ -66,7 +67,6 @@ from beamserve.router.load import LoadBook
 from beamserve.router.policy import RoutingPolicy, build_policy
 from beamserve.router.sessions import MemorySessionStore
 from beamserve.router.types import Band, Endpoint, RouteRequest
-from beamserve.workers.cache_events import KVEventBatch
 from beamserve.workers.sim import (
     EngineConfig,
     RequestUpdate,

@@ -7,7 +7,7 @@ Writes flow one way, from the engines' KV events (`apply`) and from the worker s
 (`match`, `match_detailed`) answer, per worker, how much of a prompt's block chain it holds.
 
 Beam is hybrid, so every block has two KV lifetimes, published as two groups
-(``beamserve.workers.cache_events``): the full-attention group (``group_idx`` 0 /
+(``beamserve.kvwire.events``): the full-attention group (``group_idx`` 0 /
 ``kv_cache_spec_kind`` ``"full_attention"``) and the sliding-window group (``group_idx`` 1 /
 ``"sliding_window"``, window 512 tokens). An event without a group (SGLang's format, or a vLLM
 event whose ``group_idx`` is None) comes from an engine that keeps one lifetime, so it counts for
@@ -89,8 +89,8 @@ from dataclasses import dataclass
 from itertools import accumulate, repeat
 from typing import Protocol
 
+from beamserve.kvwire.events import BlockStored, KVEventBatch
 from beamserve.router.types import PrefixHit
-from beamserve.workers.kv_events import BlockStored, KVEventBatch
 
 __all__ = [
     "KEY_BITS",
@@ -125,7 +125,7 @@ def block_key(block_hash: int | bytes) -> int:
     """The index key of one block hash: its low 60 bits (a digest: its last 8 bytes first).
 
     vLLM's unsigned and SGLang's signed 64-bit event integers both fold to the same bits, so a
-    router hashing prompts with ``beamserve.workers.hashing`` meets the engines' events.
+    router hashing prompts with ``beamserve.kvwire.hashing`` meets the engines' events.
     """
     if isinstance(block_hash, bytes):
         return int.from_bytes(block_hash[-8:], "big") & _KEY_MASK
@@ -300,7 +300,7 @@ class PrefixIndex:
 
         Events are recognised by class name (``BlockStored`` / ``BlockRemoved`` /
         ``AllBlocksCleared``) with vLLM field names, so both ``beamserve.workers.kv_events``
-        (as `decode_batch` returns them, vLLM or SGLang) and ``beamserve.workers.cache_events``
+        (as `decode_batch` returns them, vLLM or SGLang) and ``beamserve.kvwire.events``
         batches work. Unknown event types and groups are counted and skipped.
         """
         bit = self._bit(worker_id)

@@ -73,15 +73,15 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from beamserve.router.index.prefix_index import PrefixIndex
-from beamserve.router.types import Endpoint
-from beamserve.workers.kv_events import (
+from beamserve.kvwire.events import (
     END_SEQ,
     KVEventBatch,
     KVEventDecodeError,
     WireFormat,
     decode_batch,
 )
+from beamserve.router.index.prefix_index import PrefixIndex
+from beamserve.router.types import Endpoint
 from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [

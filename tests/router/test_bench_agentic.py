@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from beamserve.kvwire.codec import ApproxCodec
 from beamserve.router.bench.agentic import AgenticConfig, run_agentic
 from beamserve.router.bench.agentic_procs import ROUTERS
 from beamserve.router.bench.agentic_stats import (
@@ -25,7 +26,6 @@ from beamserve.router.bench.agentic_workload import (
     held_out,
     load_sessions,
 )
-from beamserve.workers.server.codec import ApproxCodec
 
 from tests.conftest import RunBeamserve
 

@@ -6,16 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from beamserve.router.index.prefix_index import (
-    PrefixIndex,
-    PrefixIndexError,
-    PrefixMatch,
-    block_key,
-    measure_index_memory,
-)
-from beamserve.router.types import PrefixHit
-from beamserve.workers import cache_events
-from beamserve.workers.kv_events import (
+from beamserve.kvwire import events as cache_events
+from beamserve.kvwire.events import (
     SPEC_KIND_FULL_ATTENTION,
     SPEC_KIND_SLIDING_WINDOW,
     AllBlocksCleared,
@@ -25,6 +17,14 @@ from beamserve.workers.kv_events import (
     decode_batch,
     encode_batch,
 )
+from beamserve.router.index.prefix_index import (
+    PrefixIndex,
+    PrefixIndexError,
+    PrefixMatch,
+    block_key,
+    measure_index_memory,
+)
+from beamserve.router.types import PrefixHit
 
 _RNG = random.Random(7)
 HASHES = [_RNG.getrandbits(64) for _ in range(64)]
@@ -194,16 +194,31 @@ def test_unknown_group_kinds_are_ignored_and_counted() -> None:
     assert index.stats().ignored_events == 1 and index.stats().events_applied == 0
 
 
-def test_cache_events_batches_apply_too() -> None:
+def test_engine_batches_with_keyword_groups_apply() -> None:
     index = PrefixIndex()
     index.apply(
         "sim",
         cache_events.KVEventBatch(
             0.0,
             (
-                cache_events.BlockStored(tuple(HASHES[:3]), None, (), 64, 0, "full_attention"),
-                cache_events.BlockStored(tuple(HASHES[:3]), None, (), 64, 1, "sliding_window", 512),
-                cache_events.BlockRemoved(tuple(HASHES[2:3]), 1),
+                cache_events.BlockStored(
+                    tuple(HASHES[:3]),
+                    None,
+                    (),
+                    64,
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                ),
+                cache_events.BlockStored(
+                    tuple(HASHES[:3]),
+                    None,
+                    (),
+                    64,
+                    group_idx=1,
+                    kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=512,
+                ),
+                cache_events.BlockRemoved(tuple(HASHES[2:3]), group_idx=1),
             ),
         ),
     )

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from beamserve.router.index.prefix_index import PrefixIndex, PrefixMatch, block_key
-from beamserve.workers.kv_events import (
+from beamserve.kvwire.events import (
     SPEC_KIND_FULL_ATTENTION,
     SPEC_KIND_SLIDING_WINDOW,
     AllBlocksCleared,
@@ -14,6 +13,7 @@ from beamserve.workers.kv_events import (
     BlockStored,
     KVEventBatch,
 )
+from beamserve.router.index.prefix_index import PrefixIndex, PrefixMatch, block_key
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 

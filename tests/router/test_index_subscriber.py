@@ -11,6 +11,16 @@ from typing import Any
 
 import pytest
 import zmq
+from beamserve.kvwire.events import (
+    SPEC_KIND_FULL_ATTENTION,
+    SPEC_KIND_SLIDING_WINDOW,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    WireFormat,
+)
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.index.subscriber import (
     KVEventHub,
@@ -19,19 +29,7 @@ from beamserve.router.index.subscriber import (
     SubscriberConfig,
 )
 from beamserve.router.types import Endpoint
-from beamserve.workers.kv_events import (
-    SPEC_KIND_FULL_ATTENTION,
-    SPEC_KIND_SLIDING_WINDOW,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    FaultAction,
-    KVEvent,
-    KVEventBatch,
-    KVEventPublisher,
-    RandomEventFaults,
-    WireFormat,
-)
+from beamserve.workers.kv_events import FaultAction, KVEventPublisher, RandomEventFaults
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -266,7 +264,7 @@ async def raw_publisher_and_subscriber() -> tuple[Any, PrefixIndex, KVEventSubsc
 
 def stored_frames(seq: int, block_hash: int) -> list[bytes]:
     """One message: a batch storing one 64-token block, with sequence number `seq`."""
-    from beamserve.workers.kv_events import encode_batch
+    from beamserve.kvwire.events import encode_batch
 
     payload = encode_batch(KVEventBatch(0.0, (BlockStored([block_hash], None, [], 64),)))
     return [b"", seq.to_bytes(8, "big"), payload]

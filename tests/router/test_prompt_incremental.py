@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from beamserve.kvwire.codec import _PIECE, ApproxCodec, PromptCodec, compile_chat_template
+from beamserve.kvwire.hashing import block_hashes, hash_blocks_sglang
 from beamserve.router.api.convert import UpstreamCall
 from beamserve.router.prompt import PromptHasher, PromptKey, piece_chunks, split_tokens
-from beamserve.workers.hashing import block_hashes, hash_blocks_sglang
-from beamserve.workers.server.codec import _PIECE, ApproxCodec, PromptCodec, compile_chat_template
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from beamserve.workers.hashing import (
+from beamserve.kvwire.hashing import (
     HashingError,
     block_hashes,
     canonical_cbor,

@@ -33,25 +33,27 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from beamserve.workers import kv_events
-from beamserve.workers.kv_events import (
+from beamserve.kvwire import events as kv_events
+from beamserve.kvwire.events import (
     END_SEQ,
     SPEC_KIND_FULL_ATTENTION,
     SPEC_KIND_SLIDING_WINDOW,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    FaultAction,
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
     KVEventEncodeError,
-    KVEventPublisher,
-    KVEventPublisherError,
-    RandomEventFaults,
     WireFormat,
     decode_batch,
     encode_batch,
+)
+from beamserve.workers.kv_events import (
+    FaultAction,
+    KVEventPublisher,
+    KVEventPublisherError,
+    RandomEventFaults,
     offset_endpoint_port,
 )
 from hypothesis import HealthCheck, given, settings

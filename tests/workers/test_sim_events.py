@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import msgpack
-from beamserve.workers.cache_events import (
+from beamserve.kvwire.events import (
     FULL_GROUP,
     WINDOW_GROUP,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from beamserve.workers.hashing import block_hashes
+from beamserve.kvwire.hashing import block_hashes
 from beamserve.workers.sim import EngineConfig, SimEngine, SimRequest, VirtualClock
 from beamserve.workers.sim.profiles import TINY_CPU
 
@@ -65,7 +65,7 @@ def test_evictions_are_reported_per_group() -> None:
 
 
 def test_the_vllm_encoder_takes_sim_batches() -> None:
-    from beamserve.workers.kv_events import encode_batch
+    from beamserve.kvwire.events import encode_batch
 
     tokens = tuple(range(3, 3 + 3 * P + 1))
     batches = run([tokens])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from beamserve.workers.cache_events import AllBlocksCleared, KVEventBatch
+from beamserve.kvwire.events import AllBlocksCleared, KVEventBatch
 from beamserve.workers.sim import (
     EngineConfig,
     EngineDeadError,

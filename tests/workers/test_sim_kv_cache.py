@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import pytest
 from beamserve.kv_transfer.model import BeamModelConfig, beam_layer_types
-from beamserve.workers.cache_events import (
+from beamserve.kvwire.events import (
     FULL_GROUP,
     WINDOW_GROUP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
+    KVEvent,
 )
 from beamserve.workers.sim.kv_cache import KVCacheManager, PageAccountingError, SeqKV
 
@@ -53,7 +53,7 @@ def chain(tag: int, n: int) -> tuple[int, ...]:
     return tuple(tag * 1000 + i for i in range(n))
 
 
-def removed(events: Sequence[KVCacheEvent], group: int, medium: str = "GPU") -> list[int]:
+def removed(events: Sequence[KVEvent], group: int, medium: str = "GPU") -> list[int]:
     return [
         h
         for e in events

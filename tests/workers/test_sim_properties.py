@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from beamserve.kv_transfer.model import BeamModelConfig, beam_layer_types
-from beamserve.workers.cache_events import FULL_GROUP, WINDOW_GROUP
+from beamserve.kvwire.events import FULL_GROUP, WINDOW_GROUP
 from beamserve.workers.sim import (
     EngineConfig,
     RequestMetrics,

@@ -124,7 +124,7 @@ def test_later_turns_hit_the_prefix_cache() -> None:
 
 
 def test_token_ids_are_hashed_with_the_vllm_compatible_hash() -> None:
-    from beamserve.workers.hashing import block_hashes
+    from beamserve.kvwire.hashing import block_hashes
 
     eng, clock = engine()
     tokens = tuple(range(5, 5 + 3 * P + 7))
@@ -294,7 +294,7 @@ def test_future_arrivals_wait_for_their_time() -> None:
 
 
 def test_reset_prefix_cache() -> None:
-    from beamserve.workers.cache_events import AllBlocksCleared, KVEventBatch
+    from beamserve.kvwire.events import AllBlocksCleared, KVEventBatch
 
     clock = VirtualClock()
     batches: list[KVEventBatch] = []

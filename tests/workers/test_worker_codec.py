@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from beamserve.workers.server.codec import ApproxCodec, CodecError, PromptCodec, load_codec
+from beamserve.kvwire.codec import ApproxCodec, CodecError, PromptCodec, load_codec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

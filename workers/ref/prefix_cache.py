@@ -2,7 +2,7 @@
 
 Keys are chained hashes of full `page_size`-token blocks (block i's hash depends on blocks
 0..i), so a lookup walks a prompt's hashes and stops at the first miss: the hit is always a
-prefix. The hash is `beamserve.workers.hashing.block_hashes` — vLLM's `sha256` block hash, the
+prefix. The hash is `beamserve.kvwire.hashing.block_hashes` — vLLM's `sha256` block hash, the
 integer its KV events carry — so the blocks this cache holds are named as the router's index
 names them.
 
@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from beamserve.workers import hashing
+from beamserve.kvwire import hashing
 
 
 @dataclass
@@ -31,7 +31,7 @@ class CachedBlock:
     window_page: int | None
 
 
-HASH_SOURCE = "beamserve.workers.hashing.block_hashes (vLLM sha256)"
+HASH_SOURCE = "beamserve.kvwire.hashing.block_hashes (vLLM sha256)"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

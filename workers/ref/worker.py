@@ -52,7 +52,7 @@ from beamserve.kv_transfer.topology import (
     first_window_page,
     pages_needed,
 )
-from beamserve.workers.cache_events import (
+from beamserve.kvwire.events import (
     FULL_ATTENTION_KIND,
     FULL_GROUP,
     SLIDING_WINDOW_KIND,
@@ -60,7 +60,7 @@ from beamserve.workers.cache_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
+    KVEvent,
     KVEventBatch,
     KVEventSink,
 )
@@ -361,11 +361,11 @@ class PrefillWorker:
         if block.window_page is not None:
             self.shards.window.decref(np.array([block.window_page], dtype=np.int64))
         if block_hash is not None:
-            self._emit(BlockRemoved((block_hash,), FULL_GROUP))
+            self._emit(BlockRemoved((block_hash,), group_idx=FULL_GROUP))
             if block.window_page is not None:
-                self._emit(BlockRemoved((block_hash,), WINDOW_GROUP))
+                self._emit(BlockRemoved((block_hash,), group_idx=WINDOW_GROUP))
 
-    def _emit(self, *events: KVCacheEvent) -> None:
+    def _emit(self, *events: KVEvent) -> None:
         """KV events of the prefix cache (vLLM semantics: blocks of `page_size` tokens, the
         full-attention group and the window group separately)."""
         if self.kv_events is not None and events:
@@ -380,9 +380,9 @@ class PrefillWorker:
             parent,
             tuple(token_ids),
             P,
-            group,
-            FULL_ATTENTION_KIND if group == FULL_GROUP else SLIDING_WINDOW_KIND,
-            None if group == FULL_GROUP else W,
+            group_idx=group,
+            kv_cache_spec_kind=FULL_ATTENTION_KIND if group == FULL_GROUP else SLIDING_WINDOW_KIND,
+            kv_cache_spec_sliding_window=None if group == FULL_GROUP else W,
         )
 
     def _insert(

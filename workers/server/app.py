@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from beamserve.kvwire.codec import CodecError
 from beamserve.workers.server.backend import (
     Backend,
     BackendUnavailableError,
@@ -31,7 +32,6 @@ from beamserve.workers.server.backend import (
     parse_bootstrap,
     parse_kv_transfer_params,
 )
-from beamserve.workers.server.codec import CodecError
 from beamserve.workers.server.metrics import WorkerMetrics
 from beamserve.workers.sim.faults import FaultConfigError
 from fastapi import FastAPI, Request

@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 import structlog
-from beamserve.workers.server.codec import Codec
+from beamserve.kvwire.codec import Codec
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 

@@ -118,8 +118,8 @@ def _backend_args(args: argparse.Namespace) -> dict[str, Any]:
 async def _serve(args: argparse.Namespace) -> int:
     import structlog
     import uvicorn
+    from beamserve.kvwire.codec import load_codec
     from beamserve.workers.server.app import build_worker_app
-    from beamserve.workers.server.codec import load_codec
 
     logger = structlog.get_logger("beamserve.worker")
     backend: Any

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import httpx
 import structlog
 from beamserve.kv_transfer.topology import RequestPages
+from beamserve.kvwire.codec import Codec
 from beamserve.workers.kv_events import KVEventPublisher
 from beamserve.workers.ref.engine import RefBeam
 from beamserve.workers.ref.worker import DecodeWorker, PoolSpec, PrefillWorker
@@ -42,7 +43,6 @@ from beamserve.workers.server.backend import (
     release_lease,
     wait_for_lease,
 )
-from beamserve.workers.server.codec import Codec
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

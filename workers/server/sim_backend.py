@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import structlog
 from beamserve.kv_transfer.handshake import HandshakeServer
-from beamserve.workers.cache_events import KVEventBatch
+from beamserve.kvwire.codec import Codec
+from beamserve.kvwire.events import KVEventBatch
 from beamserve.workers.kv_events import KVEventPublisher
 from beamserve.workers.server.backend import (
     BackendUnavailableError,
@@ -30,7 +31,6 @@ from beamserve.workers.server.backend import (
     release_lease,
     wait_for_lease,
 )
-from beamserve.workers.server.codec import Codec
 from beamserve.workers.sim.clock import RealClock
 from beamserve.workers.sim.config import EngineConfig
 from beamserve.workers.sim.engine import SimEngine

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from beamserve.workers.cache_events import FULL_GROUP, WINDOW_GROUP, KVEventBatch, KVEventSink
+from beamserve.kvwire.events import FULL_GROUP, WINDOW_GROUP, KVEventBatch, KVEventSink
 from beamserve.workers.sim.clock import Clock, TimerHandle
 from beamserve.workers.sim.config import EngineConfig
 from beamserve.workers.sim.faults import FaultConfig, FaultInjector

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from beamserve.kv_transfer.model import BeamModelConfig
-from beamserve.workers.cache_events import (
+from beamserve.kvwire.events import (
     FULL_ATTENTION_KIND,
     FULL_GROUP,
     MEDIUM_CPU,
@@ -53,7 +53,7 @@ from beamserve.workers.cache_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
+    KVEvent,
 )
 
 GROUPS = (FULL_GROUP, WINDOW_GROUP)
@@ -375,7 +375,7 @@ class KVCacheManager:
         )
         self._host_on = host_full_pages > 0 or host_window_pages > 0
         self._live: dict[int, SeqKV] = {}
-        self._events: list[KVCacheEvent] = []
+        self._events: list[KVEvent] = []
         self._removed: tuple[int, str, list[int]] | None = None  # run of BlockRemoved
 
     # --- queries ---------------------------------------------------------------------------
@@ -593,7 +593,7 @@ class KVCacheManager:
         self._emit(AllBlocksCleared())
         return freed
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """The events since the last call, in order."""
         self._flush_removed()
         events, self._events = self._events, []
@@ -734,7 +734,7 @@ class KVCacheManager:
             else:
                 g.release(page)
 
-    def _emit(self, event: KVCacheEvent) -> None:
+    def _emit(self, event: KVEvent) -> None:
         self._flush_removed()
         self._events.append(event)
 
@@ -749,7 +749,7 @@ class KVCacheManager:
     def _flush_removed(self) -> None:
         if self._removed is not None:
             gid, medium, hashes = self._removed
-            self._events.append(BlockRemoved(tuple(hashes), gid, medium))
+            self._events.append(BlockRemoved(tuple(hashes), medium=medium, group_idx=gid))
             self._removed = None
 
     def _stored(

@@ -1,7 +1,7 @@
 """What goes into the simulated engine and what comes out of it.
 
 A `SimRequest` carries its prompt either as token ids (block hashes are then computed with the
-vLLM-compatible `beamserve.workers.hashing.block_hashes`) or as precomputed block hashes plus a
+vLLM-compatible `beamserve.kvwire.hashing.block_hashes`) or as precomputed block hashes plus a
 token count (trace replays: one hash id per 64-token block). Listeners receive a
 `RequestUpdate` whenever the request emits tokens or ends; the last update carries the request's
 `RequestMetrics`. All times are seconds on the engine's clock.
@@ -82,13 +82,13 @@ class SimRequest:
 
     def hashes(self, page_size: int) -> tuple[int, ...]:
         """The block hashes the cache keys on: the given ones (trimmed to full blocks), or
-        `beamserve.workers.hashing.block_hashes(token_ids, page_size)`, or () for neither."""
+        `beamserve.kvwire.hashing.block_hashes(token_ids, page_size)`, or () for neither."""
         full = self.prompt_tokens // page_size
         if self.block_hashes is not None:
             return self.block_hashes[:full]
         if self.token_ids is None:
             return ()
-        from beamserve.workers.hashing import block_hashes
+        from beamserve.kvwire.hashing import block_hashes
 
         return tuple(block_hashes(list(self.token_ids), block_size=page_size))[:full]
 
