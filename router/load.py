@@ -1,12 +1,55 @@
 """Per-worker load and health as the router sees it (`LoadBook`).
 
-Router-tracked load: for every request it sends, the router adds the request's uncached prompt
-tokens to the worker's *prefill* tokens until the first token arrives, then moves its context
-(prompt + max output) to *decode* tokens until the request ends. These counts are exact for this
-router replica and never stale.
+Router-tracked load (the replica's *own book*): for every request it sends, the router adds the
+request's uncached prompt tokens to the worker's *prefill* tokens until the first token arrives,
+then moves its context (prompt + max output) to *decode* tokens until the request ends. These
+counts are exact for this router replica and never stale — but behind a plain L4 load balancer
+with N replicas each replica sends only its share, so its book alone undercounts by about N.
 
-Scraped load: `queue_len`, `running` and `kv_usage` from the engine's `/metrics` (vLLM or SGLang
-names), stamped with the scrape time; consumers see their age and discount stale scrapes.
+Scraped load: `queue_len` (waiting requests), `running`, `kv_usage` and, where the engine
+exports it, queued prefill tokens, from the engine's `/metrics` (vLLM or SGLang names, plus
+`beamserve_worker_queued_prefill_tokens` of the sim engine: neither vLLM nor SGLang exports
+such a gauge), stamped with the scrape time. The scrape sees every replica's requests, but lags.
+
+Effective load (`effective_load`, pure): the scrape tells what the engine held at the scrape
+instant; the replica's book at that same instant (`own₀`, recorded with the scrape) tells which
+part of it was its own; the rest is *foreign* (other replicas'). The replica's book now (`own`)
+replaces its own part, so its bookings since the scrape add on top of the scrape, once::
+
+    fresh      = scraped and 0 ≤ age ≤ stale_after_s          (a stale scrape counts for nothing)
+    n₀         = own₀.prefilling + own₀.decoding              (own requests at the scrape)
+    foreign_n  = max(W + R − n₀, 0)                           (engine's requests not sent by us)
+    foreign_w  = min(max(W − own₀.prefilling, 0), foreign_n)  (… of them waiting)
+    foreign_p  = max(Q − own₀.prefill_tokens, 0)              when the engine exports Q
+               = foreign_w · prefill_per_request              otherwise
+    foreign_d  = (foreign_n − foreign_w) · context_per_request
+    prefill    = own.prefill_tokens + (foreign_p if fresh else 0)
+    decode     = own.decode_tokens  + (foreign_d if fresh else 0)
+    queue_len  = max(W + own.prefilling − own₀.prefilling, 0)  if fresh, else W as scraped
+    running    = max(R + own.decoding − own₀.decoding, 0)      if fresh, else R as scraped
+
+W, R, Q: the scrape's waiting requests, running requests and queued prefill tokens.
+``prefill_per_request`` / ``context_per_request``: the replica's own running means (EWMA,
+weight `LoadParams.mean_weight`) of a booking's uncached prompt tokens and context; other
+replicas' requests come from the same balancer-spread traffic, so they look alike on average.
+
+Properties (tested with hypothesis): with a stale or missing scrape the result is the own book
+(the behaviour before replicas were considered); it is never below the own book; each own
+booking after the scrape adds exactly its tokens (nothing double counted: the scrape's own part
+is replaced, not added; nothing lost: bookings the scrape missed are in the book); at the
+scrape instant, N replicas whose books sum to what an exact engine reports each see the whole
+engine (prefill = Q), not their 1/N.
+
+Known biases, both corrected by the next scrape: a request booked while the `/metrics`
+response was in flight counts in `own₀` but not in Q, hiding that much foreign work; a request
+whose prefill the engine had partly computed at the scrape releases its whole booking when its
+first token arrives, so the foreign part looks smaller by what had been computed. Without Q,
+``foreign_w`` is a lower bound (own requests being prefilled count against the waiting ones).
+
+| parameter (`LoadParams`) | default | meaning |
+|---|---|---|
+| `stale_after_s` | ``2.0`` | scrapes older than this add nothing (own book only) |
+| `mean_weight` | ``0.05`` | EWMA weight of one booking in the per-request means |
 
 Health: a circuit breaker per worker. `failure_threshold` consecutive failures (connection
 errors, 5xx before the first byte, failed health checks) open it for `open_s` seconds; then one
@@ -26,7 +69,89 @@ from beamserve.router.types import WorkerLoad
 QUEUE_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING_METRICS = ("vllm:num_requests_running", "sglang:num_running_reqs")
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
-LOAD_METRICS = QUEUE_METRICS + RUNNING_METRICS + KV_USAGE_METRICS
+# Exported by the sim engine under beamserve's name; vLLM and SGLang have no such gauge.
+QUEUED_PREFILL_METRICS = ("beamserve_worker_queued_prefill_tokens",)
+LOAD_METRICS = QUEUE_METRICS + RUNNING_METRICS + KV_USAGE_METRICS + QUEUED_PREFILL_METRICS
+
+
+@dataclass(frozen=True, slots=True)
+class BookCounts:
+    """The replica's own book for one worker: tokens and requests in prefill and in decode."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefilling: int = 0
+    decoding: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedCounts:
+    """One `/metrics` scrape of one worker. `queued_prefill_tokens`: None when the engine does
+    not export it (vLLM, SGLang)."""
+
+    queue_len: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    queued_prefill_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveLoad:
+    """`effective_load`'s result: own + foreign tokens, and the engine's request counts."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    foreign_prefill_tokens: int
+    foreign_decode_tokens: int
+    queue_len: int
+    running: int
+
+
+def effective_load(
+    own: BookCounts,
+    scraped: ScrapedCounts | None,
+    own_at_scrape: BookCounts,
+    age_s: float | None,
+    *,
+    stale_after_s: float,
+    prefill_per_request: float = 0.0,
+    context_per_request: float = 0.0,
+) -> EffectiveLoad:
+    """One worker's load from this replica's book now (`own`), its last scrape (`scraped`,
+    `age_s` seconds ago) and the book at that scrape (`own_at_scrape`). Formula in the module
+    docstring. Tokens and counts ≥ 0."""
+    p_own, d_own = max(own.prefill_tokens, 0), max(own.decode_tokens, 0)
+    if scraped is None:
+        return EffectiveLoad(p_own, d_own, 0, 0, 0, 0)
+    w, r = max(scraped.queue_len, 0), max(scraped.running, 0)
+    if age_s is None or not 0.0 <= age_s <= stale_after_s:
+        return EffectiveLoad(p_own, d_own, 0, 0, w, r)
+    at = own_at_scrape
+    n0 = max(at.prefilling, 0) + max(at.decoding, 0)
+    foreign_n = max(w + r - n0, 0)
+    foreign_w = min(max(w - max(at.prefilling, 0), 0), foreign_n)
+    q = scraped.queued_prefill_tokens
+    if q is not None:
+        foreign_p = max(q - max(at.prefill_tokens, 0), 0)
+    else:
+        foreign_p = round(foreign_w * max(prefill_per_request, 0.0))
+    foreign_d = round((foreign_n - foreign_w) * max(context_per_request, 0.0))
+    return EffectiveLoad(
+        p_own + foreign_p,
+        d_own + foreign_d,
+        foreign_p,
+        foreign_d,
+        max(w + own.prefilling - at.prefilling, 0),
+        max(r + own.decoding - at.decoding, 0),
+    )
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """See the module docstring's parameter table."""
+
+    stale_after_s: float = 2.0
+    mean_weight: float = 0.05
 
 
 @dataclass
@@ -34,10 +159,14 @@ class _Worker:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     in_flight: int = 0
+    prefilling: int = 0  # own requests booked here (as decode or prefill worker) before 1st token
+    decoding: int = 0  # own requests decoding here
     queue_len: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    queued_prefill_tokens: int | None = None
     scraped_at: float | None = None
+    at_scrape: BookCounts = BookCounts()
     failures: int = 0
     open_until: float = 0.0
     probing: bool = False
@@ -71,7 +200,11 @@ class LoadBook:
 
     breaker: BreakerParams = field(default_factory=BreakerParams)
     clock: Callable[[], float] = time.monotonic
+    params: LoadParams = field(default_factory=LoadParams)
     _workers: dict[str, _Worker] = field(default_factory=dict)
+    # Running means of one booking's uncached prompt tokens and context (module docstring).
+    prefill_per_request: float = 0.0
+    context_per_request: float = 0.0
 
     def _w(self, worker: str) -> _Worker:
         w = self._workers.get(worker)
@@ -101,10 +234,17 @@ class LoadBook:
                 self.probing(wid)  # a half-open breaker lets only this request through
         target = self._w(prefill or decode)
         target.prefill_tokens += uncached_tokens
+        target.prefilling += 1
         d = self._w(decode)
         d.in_flight += 1
         if prefill is not None:
             target.in_flight += 1
+        a = self.params.mean_weight
+        if self.prefill_per_request == 0.0 and self.context_per_request == 0.0:
+            self.prefill_per_request, self.context_per_request = uncached_tokens, context_tokens
+        else:
+            self.prefill_per_request += a * (uncached_tokens - self.prefill_per_request)
+            self.context_per_request += a * (context_tokens - self.context_per_request)
         return f
 
     def first_token(self, f: Flight) -> None:
@@ -114,9 +254,12 @@ class LoadBook:
         f.prefilling = False
         p = self._w(f.prefill_worker or f.worker)
         p.prefill_tokens -= f.prefill_tokens
+        p.prefilling -= 1
         if f.prefill_worker is not None:
             p.in_flight -= 1
-        self._w(f.worker).decode_tokens += f.context_tokens
+        d = self._w(f.worker)
+        d.decode_tokens += f.context_tokens
+        d.decoding += 1
 
     def finish(self, f: Flight) -> None:
         if f.done:
@@ -124,10 +267,13 @@ class LoadBook:
         if f.prefilling:
             p = self._w(f.prefill_worker or f.worker)
             p.prefill_tokens -= f.prefill_tokens
+            p.prefilling -= 1
             if f.prefill_worker is not None:
                 p.in_flight -= 1
         else:
-            self._w(f.worker).decode_tokens -= f.context_tokens
+            d = self._w(f.worker)
+            d.decode_tokens -= f.context_tokens
+            d.decoding -= 1
         d = self._w(f.worker)
         d.in_flight -= 1
         d.served += 1
@@ -135,7 +281,8 @@ class LoadBook:
 
     # --- scraped load ----------------------------------------------------------------------------
     def scraped(self, worker: str, samples: dict[str, float], now: float | None = None) -> None:
-        """Record an engine `/metrics` scrape (sample name → value, summed over labels)."""
+        """Record an engine `/metrics` scrape (sample name → value, summed over labels), with
+        this replica's book for the worker at this instant (the scrape's own part)."""
         w = self._w(worker)
         for names, attr in (
             (QUEUE_METRICS, "queue_len"),
@@ -147,7 +294,10 @@ class LoadBook:
                     v = samples[n]
                     setattr(w, attr, v if attr == "kv_usage" else int(v))
                     break
+        q = next((samples[n] for n in QUEUED_PREFILL_METRICS if n in samples), None)
+        w.queued_prefill_tokens = None if q is None else int(q)
         w.scraped_at = self.clock() if now is None else now
+        w.at_scrape = _counts(w)
 
     # --- health ----------------------------------------------------------------------------------
     def succeeded(self, worker: str) -> None:
@@ -186,18 +336,36 @@ class LoadBook:
             return _IDLE
         now = self.clock() if now is None else now
         at = w.scraped_at
+        age = None if at is None else (now - at if now > at else 0.0)
+        eff = effective_load(
+            _counts(w),
+            None
+            if at is None
+            else ScrapedCounts(w.queue_len, w.running, w.kv_usage, w.queued_prefill_tokens),
+            w.at_scrape,
+            age,
+            stale_after_s=self.params.stale_after_s,
+            prefill_per_request=self.prefill_per_request,
+            context_per_request=self.context_per_request,
+        )
         return WorkerLoad(
             w.prefill_tokens if w.prefill_tokens > 0 else 0,
             w.decode_tokens if w.decode_tokens > 0 else 0,
             w.in_flight if w.in_flight > 0 else 0,
-            w.queue_len,
-            w.running,
+            eff.queue_len,
+            eff.running,
             w.kv_usage,
-            None if at is None else (now - at if now > at else 0.0),
+            age,
             # `healthy`, inlined for the common closed breaker (this runs per worker per route).
             w.failures < self.breaker.failure_threshold or self.healthy(worker, now),
+            eff.foreign_prefill_tokens,
+            eff.foreign_decode_tokens,
         )
 
     def served(self, worker: str) -> int:
         w = self._workers.get(worker)
         return 0 if w is None else w.served
+
+
+def _counts(w: _Worker) -> BookCounts:
+    return BookCounts(w.prefill_tokens, w.decode_tokens, w.prefilling, w.decoding)

@@ -125,8 +125,12 @@ class WorkerLoad:
     """A worker's load as the router sees it.
 
     `prefill_tokens` / `decode_tokens`: uncached prompt tokens queued or in prefill, and context
-    tokens of requests in decode, both tracked by the router for requests it sent.
-    `queue_len` / `kv_usage` (fraction 0–1) / `running`: scraped from the engine's `/metrics`,
+    tokens of requests in decode, both tracked by this router replica for requests it sent.
+    `foreign_prefill_tokens` / `foreign_decode_tokens`: the same work of requests the engine
+    holds that this replica did not send (other replicas'), estimated from a fresh scrape (0
+    when the scrape is stale); `effective_*` = own + foreign (`beamserve.router.load`).
+    `queue_len` / `running`: the engine's waiting / running requests — while the scrape is fresh,
+    plus this replica's own changes since it; `kv_usage` (fraction 0–1): as scraped;
     `scraped_age_s` seconds ago (None: never scraped); consumers discount stale scrapes.
     """
 
@@ -138,6 +142,18 @@ class WorkerLoad:
     kv_usage: float = 0.0
     scraped_age_s: float | None = None
     healthy: bool = True
+    foreign_prefill_tokens: int = 0
+    foreign_decode_tokens: int = 0
+
+    @property
+    def effective_prefill_tokens(self) -> int:
+        """Prefill work queued on the worker from every replica (own + foreign, ≥ 0)."""
+        return max(self.prefill_tokens, 0) + max(self.foreign_prefill_tokens, 0)
+
+    @property
+    def effective_decode_tokens(self) -> int:
+        """Decode context on the worker from every replica (own + foreign, ≥ 0)."""
+        return max(self.decode_tokens, 0) + max(self.foreign_decode_tokens, 0)
 
 
 @dataclass(frozen=True, slots=True)

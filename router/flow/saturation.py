@@ -3,9 +3,14 @@
 Formula, over the snapshot of `WorkerLoad`s last given to `observe` (one per worker)::
 
     per healthy worker w:
-        s_w = prefill_tokens / max_prefill_tokens                     (router-tracked, always used)
+        s_w = effective_prefill_tokens / max_prefill_tokens           (always used)
         if w's scrape is fresh (scraped_age_s ≤ stale_after_s):
             s_w = max(s_w, queue_len / max_queue_len, kv_usage / max_kv_usage)
+
+``effective_prefill_tokens`` is the replica's own in-flight prefill tokens plus, while the scrape
+is fresh, the other replicas' seen by it; ``queue_len`` the scraped waiting requests plus this
+replica's own changes since the scrape (`beamserve.router.load.effective_load`): with N router
+replicas behind a plain balancer, each sees the whole pool's load, not its 1/N share.
     level     = mean_w s_w           (∞ when no worker is healthy: nothing can serve)
     saturated = level ≥ threshold
 
@@ -99,7 +104,9 @@ class SaturationConfig(BaseModel):
 
 def worker_saturation(load: WorkerLoad, config: SaturationConfig) -> float:
     """``s_w`` of the formula (0 = idle, 1 = full)."""
-    s = max(load.prefill_tokens, 0) / config.max_prefill_tokens
+    s = (max(load.prefill_tokens, 0) + max(load.foreign_prefill_tokens, 0)) / (
+        config.max_prefill_tokens
+    )
     if load.scraped_age_s is not None and load.scraped_age_s <= config.stale_after_s:
         s = max(s, load.queue_len / config.max_queue_len, load.kv_usage / config.max_kv_usage)
     return s

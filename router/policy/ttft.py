@@ -6,9 +6,11 @@ Formula (seconds)::
     ttft     = overhead_s
              + (queued_prefill + uncached + decode_interference · decode_tokens) / prefill_tok_s
 
-``queued_prefill`` is `WorkerLoad.prefill_tokens` (uncached prompt tokens the router already
-sent there and that are not yet prefilled); ``decode_tokens`` the context of requests decoding
-there, which slows every prefill chunk a little (each step also reads their KV). This is
+``queued_prefill`` is `WorkerLoad.effective_prefill_tokens`: uncached prompt tokens this
+replica already sent there and that are not yet prefilled, plus, while the engine's scrape is
+fresh, the other replicas' (`beamserve.router.load.effective_load`); ``decode_tokens``
+(`effective_decode_tokens`, likewise) the context of requests decoding there, which slows every
+prefill chunk a little (each step also reads their KV). This is
 Dynamo's ``cost = overlap_weight × prefill_blocks + decode_blocks`` priced in seconds, with the
 hybrid-attention correction for partial hits, so a cost can be compared against a margin in
 seconds (`sticky-until-saturated`) and reported in the explain string.
@@ -75,8 +77,8 @@ def estimate_ttft(view: WorkerView, request: RouteRequest, params: TTFTParams) -
             cached = max(0.0, cached - params.sliding_window)
     uncached = max(prompt - cached, 0.0)
     load = view.load
-    queued = max(load.prefill_tokens, 0)
-    decode = max(load.decode_tokens, 0)
+    queued = max(load.prefill_tokens, 0) + max(load.foreign_prefill_tokens, 0)
+    decode = max(load.decode_tokens, 0) + max(load.foreign_decode_tokens, 0)
     work = queued + uncached + params.decode_interference * decode
     return TTFTEstimate(
         seconds=params.overhead_s + work / params.prefill_tok_s,

@@ -171,6 +171,7 @@ class WorkerStats:
     leases_held: int = 0
     kv_event_batches: int = 0
     kv_event_batches_dropped: int = 0
+    queued_prefill_tokens: int | None = None  # None: the engine cannot tell (not exported)
 
 
 class Backend(Protocol):

@@ -16,7 +16,12 @@ Both: beamserve's own `beamserve_worker_kv_recompute_fallbacks_total` (decode re
 KV transfer failed and were prefilled locally), `beamserve_worker_kv_transfers_total`,
 `beamserve_worker_kv_transfer_bytes_total`, `beamserve_worker_kv_leases_held`,
 `beamserve_worker_kv_event_batches_total`, `beamserve_worker_kv_event_batches_dropped_total`,
-`beamserve_worker_ready`.
+`beamserve_worker_ready`, and the gauge `beamserve_worker_queued_prefill_tokens`: prompt
+tokens still to compute for requests waiting or in prefill (waiting ones net of their current
+prefix-cache hit). Neither vLLM nor SGLang exports such a gauge on `/metrics` (vLLM counts
+waiting *requests*; SGLang's token load is only on its `/get_load` endpoint), so it carries
+beamserve's name; the router combines it with its own book across replicas
+(`beamserve.router.load`). Exported by the sim engine only (the ref engine does not track it).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 Api = Literal["vllm", "sglang"]
+QUEUED_PREFILL_TOKENS = "beamserve_worker_queued_prefill_tokens"
 _TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -223,6 +229,19 @@ class _StatsCollector(Collector):
                 ("beamserve_worker_ready", "1 while the engine can serve.", float(self._ready())),
             ],
         )
+        if s.queued_prefill_tokens is not None:
+            yield from self._family(
+                GaugeMetricFamily,
+                [],
+                [],
+                [
+                    (
+                        QUEUED_PREFILL_TOKENS,
+                        "Prompt tokens still to compute for requests waiting or in prefill.",
+                        s.queued_prefill_tokens,
+                    )
+                ],
+            )
 
     @staticmethod
     def _family(

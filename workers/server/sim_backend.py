@@ -285,6 +285,7 @@ class SimBackend:
             leases_held=self.leases.held(),
             kv_event_batches=s.kv_event_batches_total,
             kv_event_batches_dropped=s.kv_event_batches_dropped,
+            queued_prefill_tokens=s.queued_prefill_tokens,
         )
 
     def server_info(self) -> dict[str, Any]:

@@ -50,7 +50,9 @@ class EngineStats:
     Counters: tokens in prompts, generated, queried against and hit in the prefix cache
     [prefix_cache_queries / prefix_cache_hits], host-tier hits, window tokens recomputed,
     preemptions, steps, finished / failed requests, KV batches emitted / dropped;
-    `busy_seconds`: clock seconds spent in steps.
+    `busy_seconds`: clock seconds spent in steps. `queued_prefill_tokens`: prompt tokens still
+    to compute for requests waiting or in prefill (`Scheduler.queued_prefill_tokens`; no vLLM
+    or SGLang counterpart on `/metrics`).
     """
 
     time: float
@@ -78,6 +80,7 @@ class EngineStats:
     requests_failed_total: int
     kv_event_batches_total: int
     kv_event_batches_dropped: int
+    queued_prefill_tokens: int = 0
 
 
 class SimEngine:
@@ -247,6 +250,7 @@ class SimEngine:
             requests_failed_total=self._failed,
             kv_event_batches_total=self._batches,
             kv_event_batches_dropped=self._dropped,
+            queued_prefill_tokens=self._sched.queued_prefill_tokens(),
         )
 
     @property

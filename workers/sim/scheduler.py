@@ -327,6 +327,21 @@ class Scheduler:
             return False
         return True
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute (the `queued_prefill_tokens` gauge): what is left of
+        each running prefill, plus each waiting request's target beyond its prefix-cache hit as
+        of now (matched without touching the cache). Requests whose KV arrives from a prefill
+        worker compute nothing here and do not count."""
+        n = 0
+        for s in self.prefilling:
+            if not s.remote_pending and s.computed < s.target:
+                n += s.target - s.computed
+        match = self.kv.match
+        for s in self.waiting:
+            if not s.remote_pending:
+                n += s.target - match(s.hashes, s.target).start
+        return n
+
     def next_ready_time(self, now: float) -> float | None:
         """Earliest time a running request that is waiting for KV becomes ready."""
         times = [s.ready_at for s in self.prefilling if s.ready_at > now]
