@@ -66,6 +66,43 @@ def bootstrap_port(ep: Endpoint) -> int:
     return port
 
 
+def prefill_leg_body(call: UpstreamCall) -> dict[str, Any]:
+    """vLLM style: the prefill leg's body — the client's request with `max_tokens: 1`, no
+    stream, and `kv_transfer_params` asking the worker to keep the KV for a remote decode."""
+    body = {k: v for k, v in call.body.items() if k not in ("stream_options",)}
+    body.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
+    body.pop("max_completion_tokens", None)
+    return body
+
+
+def sglang_bootstrap(prefill: Endpoint) -> dict[str, Any]:
+    """SGLang style: the fields both legs carry — the prefill worker's host and bootstrap
+    port, and a fresh random u63 room (raises `APIError` 500 without a bootstrap port)."""
+    return {
+        "bootstrap_host": urlsplit(prefill.url).hostname or "127.0.0.1",
+        "bootstrap_port": bootstrap_port(prefill),
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+
+def sglang_prefill_leg_body(body: dict[str, Any], boot: dict[str, Any]) -> dict[str, Any]:
+    """SGLang style: the prefill leg's body (the decode leg's, not streamed)."""
+    leg = {**body, **boot, "stream": False}
+    leg.pop("stream_options", None)
+    return leg
+
+
 class UpstreamChunks:
     """The decode worker's SSE stream: `await first()` (the first decoded events), then either
     iterate decoded chunks, or `raw()` for the whole body's bytes as they come (`head`: the
@@ -176,7 +213,9 @@ class Upstreams:
         return self._session
 
     # --- legs ------------------------------------------------------------------------------------
-    async def _post(self, ep: Endpoint, path: str, body: dict[str, Any], timeout: float) -> Any:
+    async def post(self, ep: Endpoint, path: str, body: dict[str, Any], timeout: float) -> Any:
+        """One non-streaming worker call, bounded by `timeout` s: the answer's JSON. Raises
+        `UpstreamError` (unreachable, timeout, 5xx, not JSON) or `APIError` (the worker's 4xx)."""
         t = aiohttp.ClientTimeout(total=timeout, connect=self.connect_timeout_s)
         try:
             async with self.http.post(
@@ -193,22 +232,12 @@ class Upstreams:
         except ValueError as exc:
             raise UpstreamError(ep.id, "protocol", "answer is not JSON") from exc
 
-    async def _prefill_leg(self, ep: Endpoint, call: UpstreamCall) -> dict[str, Any]:
-        body = {k: v for k, v in call.body.items() if k not in ("stream_options",)}
-        body.update(
-            max_tokens=1,
-            stream=False,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        )
-        body.pop("max_completion_tokens", None)
-        answer = await self._post(ep, call.path, body, self.prefill_timeout_s)
+    async def prefill_leg(self, ep: Endpoint, call: UpstreamCall) -> dict[str, Any]:
+        """vLLM style: run the prefill leg on `ep` (`prefill_leg_body`, bounded by
+        `prefill_timeout_s`) and return the `kv_transfer_params` its answer carries for the
+        decode leg. Raises as `post`, and `UpstreamError("protocol")` when the answer carries
+        none (the worker does not send KV)."""
+        answer = await self.post(ep, call.path, prefill_leg_body(call), self.prefill_timeout_s)
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             raise UpstreamError(ep.id, "protocol", "prefill answer has no kv_transfer_params")
@@ -233,15 +262,9 @@ class Upstreams:
         if prefill is None:
             return body
         if prefill.handoff_style == "sglang":
-            host = urlsplit(prefill.url).hostname or "127.0.0.1"
-            boot = {
-                "bootstrap_host": host,
-                "bootstrap_port": bootstrap_port(prefill),
-                "bootstrap_room": secrets.randbits(63),
-            }
-            leg = {**body, **boot, "stream": False}
-            leg.pop("stream_options", None)
-            task = asyncio.create_task(self._post(prefill, call.path, leg, self.prefill_timeout_s))
+            boot = sglang_bootstrap(prefill)
+            leg = sglang_prefill_leg_body(body, boot)
+            task = asyncio.create_task(self.post(prefill, call.path, leg, self.prefill_timeout_s))
             self._background.add(task)
             task.add_done_callback(lambda t: self._sglang_prefill_done(t, prefill, on_fallback))
             return {**body, **boot}
@@ -249,7 +272,7 @@ class Upstreams:
         ep: Endpoint | None = prefill
         while ep is not None:
             try:
-                params = await self._prefill_leg(ep, call)
+                params = await self.prefill_leg(ep, call)
                 self.loads.succeeded(ep.id)
                 return {**body, "kv_transfer_params": params}
             except UpstreamError as err:
@@ -278,7 +301,7 @@ class Upstreams:
         self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
     ) -> dict[str, Any]:
         body = await self._decode_body(d, call, on_fallback)
-        answer = await self._post(d.decode, call.path, body, self.first_byte_timeout_s)
+        answer = await self.post(d.decode, call.path, body, self.first_byte_timeout_s)
         if not isinstance(answer, dict):
             raise UpstreamError(d.decode.id, "protocol", "answer is not a JSON object")
         return answer

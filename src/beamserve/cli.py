@@ -105,7 +105,40 @@ def build_parser() -> argparse.ArgumentParser:
     from beamserve.router import cli as router_cli  # parser only
 
     router_cli.add_router(sub)
+    _add_sidecar(sub)
     return parser
+
+
+def _add_sidecar(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`beamserve sidecar` (parser only: the proxy's modules load when it runs)."""
+    p = sub.add_parser(
+        "sidecar",
+        help="decode-side proxy: runs the prefill leg a gateway names in x-prefiller-host-port",
+        description="Runs beside a decode worker (same pod), in front of it. A request carrying "
+        "x-prefiller-host-port: host:port (set by the router's ext_proc endpoint picker when it "
+        "disaggregates) gets its prefill run on that prefill worker and its decode on the local "
+        "one, the KV handed over in the style both report (vLLM kv_transfer_params or SGLang "
+        "bootstrap); when they cannot pair, or the prefill leg fails, it is served colocated "
+        "and counted on the sidecar's /metrics. Requests without the header pass through "
+        'unchanged. Prints one JSON line {"event": "sidecar_ready", ...} on stdout once it '
+        "serves.",
+    )
+    p.add_argument("--decode", required=True, metavar="URL", help="the local decode worker")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in a pod (the gateway calls it)")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=30.0,
+        help="longest wait for the prefill leg before the decode worker prefills locally",
+    )
+    p.add_argument(
+        "--first-byte-timeout-s",
+        type=float,
+        default=120.0,
+        help="longest wait for the decode worker's first byte (and between its bytes)",
+    )
+    p.add_argument("--max-body-bytes", type=positive_int, default=32 * 1024 * 1024)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.router.cli import router_main
 
         return router_main(args)
+    if args.command == "sidecar":
+        from beamserve.router.sidecar import sidecar_main
+
+        return sidecar_main(args)
     if args.command == "worker":
         from beamserve.workers.server.cli import worker_main
 
