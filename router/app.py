@@ -5,11 +5,13 @@ One request, end to end (`Router.handle`):
 1. body size limit, API key (bearer; per-key token-bucket rate limit and priority class),
    validation in the API's own error shape (`router.api`);
 2. the worker call (`to_upstream`), the session id (headers, else a hash of the conversation's
-   opening), the prompt's token ids and block hashes (`PromptHasher`: precise or approximate);
-3. flow control: band = `sheddable` (key class or `x-beamserve-priority: sheddable`),
-   `continuing` (a live session: the store has it, or the request carries earlier turns), or
-   `new`; `FlowController.admit` queues, gates on pool saturation, sheds with 429/503 and
-   `Retry-After`; a client that disconnects while queued leaves the queue;
+   opening) scoped to the caller's tenant (`tenant_and_session`), the prompt's token ids and
+   block hashes (`PromptHasher`: precise or approximate);
+3. flow control (`band_of`): band = `sheddable` (key class or `x-beamserve-priority:
+   sheddable`), `continuing` (the prompt extends the session's last turn), or `new`; tenant =
+   the key's, or the anonymous caller's address; `FlowController.admit` queues, gates on pool
+   saturation, sheds with 429/503 and `Retry-After`; a client that disconnects while queued
+   leaves the queue;
 4. the routing step (`RoutingCore.decide`: prefix index, load, breaker health, the session's
    warm worker from the session store; policy; conditional disaggregation);
 5. P/D orchestration (`router.pd`) — vLLM's two legs or SGLang's concurrent legs; a failed
@@ -29,7 +31,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -58,7 +60,7 @@ from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
 from beamserve.router.prompt import PromptHasher, PromptKey, PromptTooLong
-from beamserve.router.sessions import SessionRecord, SessionStore
+from beamserve.router.sessions import SessionRecord, SessionStore, extends_tip
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -200,12 +202,19 @@ class Router:
 
     # --- admission -------------------------------------------------------------------------------
     def _authenticate(self, request: Request, dialect: api_errors.ErrorDialect) -> KeyPolicy:
+        return self.authenticate(request.headers, dialect)
+
+    def authenticate(
+        self, headers: Mapping[str, str], dialect: api_errors.ErrorDialect = "openai"
+    ) -> KeyPolicy:
+        """The caller's key policy from its headers (bearer token or ``x-api-key``; lower-case
+        or case-insensitive names); raises 401 / 429 (its rate limit) as `APIError`."""
         keys = self.settings.api_keys
         if not keys:
             return ANONYMOUS
-        auth = request.headers.get("authorization", "")
+        auth = headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        key = key or request.headers.get("x-api-key", "")
+        key = key or headers.get("x-api-key", "")
         policy = keys.get(key)
         if policy is None:
             raise api_errors.unauthorized(api=dialect)
@@ -265,12 +274,16 @@ class Router:
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in request.headers.items()}
         rreq, record = await self.route_request(
-            call, headers, key, parsed.model or "", body_bytes=len(raw)
+            call,
+            headers,
+            key,
+            parsed.model or "",
+            body_bytes=len(raw),
+            client=request.client.host if request.client else None,
         )
         hashing_s = time.perf_counter() - t0
         self.check_length(rreq, call, dialect)
-        tenant = (rreq.session_id or "") if key.tenant == "anonymous" else key.tenant
-        ticket = await self._admit(request, rreq.band, tenant, rreq.prompt_tokens, dialect)
+        ticket = await self._admit(request, rreq.band, rreq.tenant, rreq.prompt_tokens, dialect)
         d = self.core.open(rreq, ticket)
         try:
             turn = _Turn(api, dialect, parsed, call, d)
@@ -309,23 +322,28 @@ class Router:
         key: KeyPolicy = ANONYMOUS,
         model: str = "",
         body_bytes: int = 0,
+        client: str | None = None,
     ) -> tuple[RouteRequest, SessionRecord | None]:
         """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
-        its session (headers, else the conversation's opening), the prompt's token count and
-        block hashes, its band, and the session's record. `headers` have lower-case names.
-        `body_bytes`: the request body's size (large ones are hashed off the event loop)."""
+        its tenant and session (`tenant_and_session`), the prompt's token count and block
+        hashes, its band, and the session's record. `headers` have lower-case names.
+        `body_bytes`: the request body's size (large ones are hashed off the event loop).
+        `client`: the caller's address (the fairness tenant of anonymous callers)."""
         limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
-        session_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
+        raw_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
+        tenant, session_id = tenant_and_session(key, raw_id, client)
         record = await self.sessions.get(session_id)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
             prompt_tokens=prompt.prompt_tokens,
             block_hashes=prompt.block_hashes,
+            hashes_for=prompt.hashes_for,  # workers of another KV geometry
             session_id=session_id,
             turn=(record.turns if record is not None else 0),
-            band=self._band(key, headers, record is not None, call),
+            band=band_of(key, headers, record, call, prompt.block_hashes),
             max_tokens=call.max_tokens or self.settings.default_max_tokens,
             model=model,
+            tenant=tenant,
         )
         return rreq, record
 
@@ -339,15 +357,6 @@ class Router:
             return session_id, self.hasher.key(call, limit)
         except PromptTooLong as exc:  # refused without tokenizing all of it
             raise _too_long(exc.floor, call, limit or 0, at_least=True) from exc
-
-    def _band(
-        self, key: KeyPolicy, headers: Mapping[str, str], known: bool, call: UpstreamCall
-    ) -> Band:
-        if key.priority == "sheddable" or headers.get(PRIORITY_HEADER, "") == "sheddable":
-            return "sheddable"
-        if known or is_continuing_turn(call.messages_for_session):
-            return "continuing"
-        return "new"
 
     async def _admit(
         self,
@@ -405,9 +414,7 @@ class Router:
         self.metrics.decisions.labels(d.reason or "unknown").inc()
         kind = d.expected_hit.kind
         self.metrics.hits.labels(kind).inc()
-        self.metrics.hit_tokens.labels(kind).inc(
-            min(rreq.prompt_tokens, d.expected_hit.full_blocks * self.core.config.block_size)
-        )
+        self.metrics.hit_tokens.labels(kind).inc(self.core.hit_tokens(rreq, d))
         if d.prefill is not None:
             self.metrics.disaggregated.inc()
         log.info(
@@ -438,7 +445,11 @@ class Router:
         binding = self.core.finish(d, out_tokens)
         if binding is not None:
             await self.sessions.bind(
-                binding.session_id, binding.worker, turn_tokens=binding.turn_tokens
+                binding.session_id,
+                binding.worker,
+                turn_tokens=binding.turn_tokens,
+                tenant=binding.tenant,
+                tip=binding.tip,
             )
 
     async def _unary(self, turn: _Turn, d: RouteDecision) -> Response:
@@ -522,6 +533,48 @@ class Router:
     def _on_pd_fallback(self, reason: str, worker: str) -> None:
         self.metrics.pd_fallbacks.labels(reason).inc()
         self.core.loads.failed(worker)
+
+
+def tenant_and_session(key: KeyPolicy, session_id: str, client: str | None) -> tuple[str, str]:
+    """(fairness tenant, session id scoped to its caller).
+
+    A keyed caller: its key's tenant, and ``tenant/session`` — two API keys whose conversations
+    open alike (one system prompt and first message, common for coding agents) are two
+    sessions, never one warm worker and one `continuing` band. An anonymous caller: the tenant
+    is its address (``anon:ADDRESS``; ``anon:-`` when unknown), never the session id, so a
+    caller minting new session ids stays one tenant for least-attained-service fairness; its
+    session ids stay unscoped (nothing tells two anonymous callers apart but the address,
+    which a shared gateway or NAT would merge)."""
+    if key.tenant == ANONYMOUS.tenant:
+        return f"anon:{client or '-'}", session_id
+    return key.tenant, f"{key.tenant}/{session_id}"
+
+
+def band_of(
+    key: KeyPolicy,
+    headers: Mapping[str, str],
+    record: SessionRecord | None,
+    call: UpstreamCall,
+    block_hashes: Sequence[int],
+) -> Band:
+    """The request's flow-control band.
+
+    ``sheddable``: the key's class or ``x-beamserve-priority: sheddable``. ``continuing``: the
+    session has a record whose tip (`sessions.session_tip`, where its last turn's prompt
+    reached) this prompt extends — evidence that it is the next turn of that conversation, not
+    a new conversation reusing the id, a sub-agent's fresh prompt, or a body that merely
+    carries an assistant message. A record without a tip (the last prompt was under two
+    blocks: a cheap prompt either way) counts when the request carries an earlier turn.
+    Everything else: ``new``."""
+    if key.priority == "sheddable" or headers.get(PRIORITY_HEADER, "") == "sheddable":
+        return "sheddable"
+    if record is not None:
+        if record.tip:
+            if extends_tip(record.tip, block_hashes):
+                return "continuing"
+        elif is_continuing_turn(call.messages_for_session):
+            return "continuing"
+    return "new"
 
 
 async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:

@@ -21,7 +21,10 @@ ticket, once; later calls on a closed dispatch do nothing, so an outcome reporte
 is safe in every `finally`. `open_dispatches` counts dispatches not yet closed.
 
 `decide` matches the request's block hashes in the prefix index (hybrid-aware: a hit is *full*
-only when the window tail is resident too), builds a `WorkerView` per endpoint (router-tracked
+only when the window tail is resident too), each worker's hit with that worker's KV geometry
+(`geometry_of`: what it reported, else `CoreConfig.geometry`, the router's flags) — the prompt
+is hashed once per distinct geometry among the candidates, the common single-geometry pool
+costing one match as before — builds a `WorkerView` per endpoint (router-tracked
 and scraped load, breaker health, the session's warm worker), lets the policy pick a decode
 worker among decode-capable endpoints, then lets conditional disaggregation add a prefill
 worker that pairs with it (same revision and KV layout). `dispatched` writes predicted index
@@ -38,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from beamserve.kvwire.geometry import DEFAULT_GEOMETRY, KVGeometry
 from beamserve.router.flow.fairness import service_tokens
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import Flight, LoadBook
@@ -46,17 +50,17 @@ from beamserve.router.policy import (
     RoutingPolicy,
     effective_cached_tokens,
 )
+from beamserve.router.sessions import session_tip
 from beamserve.router.types import Endpoint, PrefixHit, RouteDecision, RouteRequest, WorkerView
 
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """`block_size`: tokens per hashed block (the engines' page size; 64 for Beam).
-    `sliding_window`: Beam's window (read from the checkpoint's config.json).
+    """`geometry`: the default KV geometry, for workers that report none (the router's
+    `--block-size`, `--sliding-window` — else config.json of `--tokenizer` — and `--hash-scheme`).
     `predict_ttl_s`: how long a routing-time prediction counts without an engine event."""
 
-    block_size: int = 64
-    sliding_window: int = 512
+    geometry: KVGeometry = DEFAULT_GEOMETRY
     predict_ttl_s: float = 10.0
 
 
@@ -97,6 +101,8 @@ class SessionBinding:
     session_id: str
     worker: str
     turn_tokens: int
+    tenant: str | None = None
+    tip: str = ""  # `sessions.session_tip` of the turn's prompt
 
 
 class RoutingCore:
@@ -117,26 +123,70 @@ class RoutingCore:
         self.disaggregation = disaggregation
         self.open_dispatches = 0
 
+    def geometry_of(self, endpoint: Endpoint) -> KVGeometry:
+        """The worker's KV geometry: its own report, else the router's default."""
+        return endpoint.geometry or self.config.geometry
+
+    def block_hashes_for(self, request: RouteRequest, geometry: KVGeometry) -> tuple[int, ...]:
+        """The request's block hashes in `geometry` (() when they cannot be computed)."""
+        if geometry == (request.geometry or self.config.geometry):
+            return request.block_hashes
+        if request.hashes_for is None:
+            return ()
+        return request.hashes_for(geometry)
+
     def views(
         self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None
     ) -> list[WorkerView]:
         now = self.clock()
-        cfg = self.config
-        hits = (
-            self.index.match(
-                request.block_hashes,
-                [e.id for e in endpoints],
-                block_size=cfg.block_size,
-                sliding_window=cfg.sliding_window,
-                now=now,
-            )
-            if request.block_hashes
-            else {}
-        )
+        default = self.config.geometry
+        mine = request.geometry or default
         empty = PrefixHit()
         load = self.loads.load
-        hit = hits.get
-        return [WorkerView(e, load(e.id, now), hit(e.id, empty), e.id == warm) for e in endpoints]
+        index = self.index
+        # The common case, one geometry for the whole pool: one match, as cheap as ever
+        # (geometries are interned, so identity decides).
+        if all((e.geometry or default) is mine for e in endpoints):
+            hashes = request.block_hashes
+            hits = (
+                index.match(
+                    hashes,
+                    [e.id for e in endpoints],
+                    block_size=mine.block_size,
+                    sliding_window=mine.sliding_window,
+                    now=now,
+                )
+                if hashes
+                else {}
+            )
+            hit = hits.get
+            return [
+                WorkerView(e, load(e.id, now), hit(e.id, empty), e.id == warm, mine)
+                for e in endpoints
+            ]
+        # Mixed pools: hash once per distinct geometry, match each worker in its own.
+        groups: dict[KVGeometry, list[str]] = {}
+        for e in endpoints:
+            groups.setdefault(e.geometry or default, []).append(e.id)
+        hits = {}
+        for g, ids in groups.items():
+            hashes = self.block_hashes_for(request, g)
+            if hashes:
+                hits.update(
+                    index.match(
+                        hashes,
+                        ids,
+                        block_size=g.block_size,
+                        sliding_window=g.sliding_window,
+                        now=now,
+                    )
+                )
+        return [
+            WorkerView(
+                e, load(e.id, now), hits.get(e.id, empty), e.id == warm, e.geometry or default
+            )
+            for e in endpoints
+        ]
 
     def decide(
         self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None
@@ -206,8 +256,13 @@ class RoutingCore:
         self.loads.succeeded(decision.decode.id)
         if not d.request.session_id:
             return None
+        r = d.request
         return SessionBinding(
-            d.request.session_id, decision.decode.id, d.request.prompt_tokens + output_tokens
+            r.session_id,
+            decision.decode.id,
+            r.prompt_tokens + output_tokens,
+            r.tenant or None,
+            session_tip(r.block_hashes),
         )
 
     def fail(self, d: Dispatch, *, worker: str | None = None, answered: bool = False) -> None:
@@ -240,26 +295,39 @@ class RoutingCore:
         d.phase = phase
         self.open_dispatches -= 1
 
-    def uncached_tokens(self, request: RouteRequest, hit: PrefixHit) -> int:
+    def uncached_tokens(
+        self, request: RouteRequest, hit: PrefixHit, geometry: KVGeometry | None = None
+    ) -> int:
+        """Prompt tokens left to prefill given `hit`, in blocks of `geometry` (default: the
+        router's)."""
+        g = geometry or self.config.geometry
         cached = effective_cached_tokens(
-            hit,
-            request.prompt_tokens,
-            block_size=self.config.block_size,
-            sliding_window=self.config.sliding_window,
+            hit, request.prompt_tokens, block_size=g.block_size, sliding_window=g.sliding_window
         )
         return max(0, request.prompt_tokens - int(cached))
+
+    def hit_tokens(self, request: RouteRequest, decision: RouteDecision) -> int:
+        """Prompt tokens covered by the decision's expected hit (the prefill worker's when
+        disaggregated, else the decode worker's), in that worker's block size."""
+        worker = decision.prefill or decision.decode
+        blocks = decision.expected_hit.full_blocks
+        return min(request.prompt_tokens, blocks * self.geometry_of(worker).block_size)
 
     def dispatched(self, request: RouteRequest, decision: RouteDecision) -> Flight:
         """The request is being sent as decided: predict its blocks, book its load."""
         now = self.clock()
         ttl = self.config.predict_ttl_s
-        if request.block_hashes:
-            self.index.predict(decision.decode.id, request.block_hashes, ttl, now)
-            if decision.prefill is not None:
-                self.index.predict(decision.prefill.id, request.block_hashes, ttl, now)
+        decode, prefill = decision.decode, decision.prefill
+        # Each worker's predictions in its own geometry's hashes (as its events will be).
+        for ep in (decode,) if prefill is None else (decode, prefill):
+            hashes = self.block_hashes_for(request, self.geometry_of(ep))
+            if hashes:
+                self.index.predict(ep.id, hashes, ttl, now)
         return self.loads.start(
             decision.decode.id,
-            self.uncached_tokens(request, decision.expected_hit),
+            self.uncached_tokens(
+                request, decision.expected_hit, self.geometry_of(prefill or decode)
+            ),
             request.prompt_tokens + request.max_tokens,
             decision.prefill.id if decision.prefill is not None else None,
         )

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
+from beamserve.kvwire.geometry import DEFAULT_GEOMETRY, KVGeometry, window_of_config
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.errors import APIError
 from beamserve.router.api.models import API_PATHS, ApiName, parse_request
@@ -39,6 +40,7 @@ from beamserve.router.flow import (
     FlowController,
     SaturationConfig,
     SaturationDetector,
+    Shed,
 )
 from beamserve.router.grpc_api import PickResult, RouteQuery
 from beamserve.router.grpc_api.ext_proc import ResponseEvent
@@ -47,7 +49,7 @@ from beamserve.router.load import LOAD_METRICS, LoadBook
 from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
 from beamserve.router.prompt import PromptHasher
-from beamserve.router.sessions import make_session_store
+from beamserve.router.sessions import make_session_store, session_tip
 from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
@@ -62,9 +64,10 @@ class RuntimeConfig:
     flow: dict[str, Any] | None = None
     saturation: dict[str, Any] | None = None
     tokenizer: Path | None = None
-    block_size: int = 64
-    sliding_window: int = 512
-    hash_scheme: str = "vllm"
+    # The default KV geometry (`geometry()`), for workers that report none of their own.
+    block_size: int = DEFAULT_GEOMETRY.block_size
+    sliding_window: int | None = None  # None: config.json of `tokenizer`, else Beam's 512
+    hash_scheme: str = DEFAULT_GEOMETRY.hash_scheme
     redis_url: str | None = None
     scrape_interval_s: float = 1.0
     predict_ttl_s: float = 10.0
@@ -74,6 +77,17 @@ class RuntimeConfig:
     # gc.freeze() once started: see `RouterRuntime.start`.
     freeze_gc: bool = True
 
+    def geometry(self) -> KVGeometry:
+        """The router's default KV geometry: `block_size`, `sliding_window` (else the
+        checkpoint's config.json, else 512), `hash_scheme` (events in the same format).
+        Raises `KVGeometryError` naming the bad field."""
+        window = self.sliding_window
+        if window is None:
+            window = window_of_config(self.tokenizer)
+        if window is None:
+            window = DEFAULT_GEOMETRY.sliding_window
+        return KVGeometry.of(self.block_size, window, self.hash_scheme)
+
 
 class RouterRuntime:
     def __init__(self, discovery: Discovery, config: RuntimeConfig | None = None) -> None:
@@ -81,26 +95,23 @@ class RouterRuntime:
         self.config = c = config or RuntimeConfig()
         self.index = PrefixIndex()
         self.loads = LoadBook()
-        disagg = ConditionalDisaggregation.from_params(
-            {
-                "block_size": c.block_size,
-                "sliding_window": c.sliding_window,
-                **(c.disaggregation or {}),
-            }
-        )
+        # One default geometry for the index match, the hasher, the policy and the
+        # disaggregation decider; each worker's own report replaces it for that worker.
+        self.geometry = geometry = c.geometry()
+        disagg = ConditionalDisaggregation.from_params(c.disaggregation or {})
         self.core = RoutingCore(
             build_policy(c.policy),
             self.index,
             self.loads,
             disagg,
-            CoreConfig(c.block_size, c.sliding_window, c.predict_ttl_s),
+            CoreConfig(geometry, c.predict_ttl_s),
         )
         self.flow = FlowController(
             FlowConfig.from_mapping(c.flow or {}),
             saturation=SaturationDetector(SaturationConfig.from_mapping(c.saturation or {})),
         )
         self.sessions = make_session_store(c.redis_url)
-        self.facts = FactsBook()
+        self.facts = FactsBook(geometry)
         self._discovered: list[Endpoint] = []
         self.hub = KVEventHub(self.index)
         self.upstreams = Upstreams(
@@ -109,7 +120,9 @@ class RouterRuntime:
             prefill_timeout_s=c.prefill_timeout_s,
             first_byte_timeout_s=c.first_byte_timeout_s,
         )
-        hasher = PromptHasher(c.tokenizer, block_size=c.block_size, scheme=c.hash_scheme)  # type: ignore[arg-type]
+        hasher = PromptHasher(
+            c.tokenizer, block_size=geometry.block_size, scheme=geometry.hash_scheme
+        )
         self.router = Router(
             self.core,
             self.endpoints,
@@ -201,6 +214,10 @@ class RouterRuntime:
     async def scrape_once(self) -> None:
         eps = self._discovered
         await asyncio.gather(*(self._scrape_one(e) for e in eps))
+        # What the workers' events said about their windows, and their reported event format
+        # (a changed format resubscribes that worker).
+        self.facts.event_windows(self.index.reported_windows)
+        self.hub.sync(self.endpoints())
         self.flow.observe_pool([self.loads.load(e.id) for e in eps if e.can_decode])
 
     async def _scrape_loop(self) -> None:
@@ -236,20 +253,50 @@ class GrpcGlue:
             call = to_upstream(parse_request(api, body, self.rt.router.settings.max_body_bytes))
         except APIError as err:
             return PickResult(endpoint=None, status=err.status, message=err.message)
+        router = self.rt.router
         try:
-            rreq, record = await self.rt.router.route_request(call, hdrs, body_bytes=len(body))
-            self.rt.router.check_length(rreq, call)
-        except APIError as err:  # over the model's length: refused before any upstream call
-            return PickResult(endpoint=None, status=err.status, message=err.message)
+            key = router.authenticate(hdrs)
+            rreq, record = await router.route_request(
+                call, hdrs, key, body_bytes=len(body), client=gateway_client(hdrs)
+            )
+            router.check_length(rreq, call)
+        except APIError as err:  # bad key, over its rate or the model's length: no upstream
+            return PickResult(
+                endpoint=None,
+                status=err.status,
+                message=err.message,
+                retry_after_s=err.retry_after_s,
+            )
+        # The same flow control as the HTTP door: band, tenant fairness, saturation gate, shed.
+        # Queued here, the pick waits (raise Envoy's ext_proc `message_timeout` to match); an
+        # ext_proc stream that ends meanwhile cancels this task, which leaves the queue.
+        try:
+            ticket = await self.rt.flow.admit(rreq.band, rreq.tenant, rreq.prompt_tokens)
+        except Shed as shed:
+            return PickResult(
+                endpoint=None,
+                status=shed.http_status,
+                message=str(shed),
+                retry_after_s=float(shed.retry_after_s),
+            )
         core = self.rt.core
-        dispatch = core.open(rreq)
+        dispatch = core.open(rreq, ticket)
         try:
             d = core.route(dispatch, eps, record.worker if record else None)
         except NoCandidates as exc:
             core.close(dispatch)
             return PickResult.unavailable(f"no worker fits: {exc}", retry_after_s=5.0)
-        if rreq.session_id:
-            await self.rt.sessions.bind(rreq.session_id, d.decode.id)
+        except BaseException:
+            core.close(dispatch)
+            raise
+        if rreq.session_id:  # bound at pick time: the next turn may arrive before this one ends
+            await self.rt.sessions.bind(
+                rreq.session_id,
+                d.decode.id,
+                turn_tokens=rreq.prompt_tokens,
+                tenant=rreq.tenant or None,
+                tip=session_tip(rreq.block_hashes),
+            )
 
         def on_response(event: ResponseEvent, status: int) -> None:
             # Envoy reports the upstream's answer: it closes the lifecycle the pick opened.
@@ -292,6 +339,16 @@ _LOAD_SAMPLE = re.compile(
     r'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)',
     re.MULTILINE,
 )
+
+
+def gateway_client(headers: Mapping[str, str]) -> str | None:
+    """The caller's address as a gateway reports it: the last ``x-forwarded-for`` entry (the
+    one the gateway itself appended; earlier entries are the client's own claims), else
+    ``x-envoy-external-address``. None when neither is present."""
+    xff = headers.get("x-forwarded-for", "")
+    if xff.strip():
+        return xff.split(",")[-1].strip() or None
+    return headers.get("x-envoy-external-address") or None
 
 
 def load_samples(text: str) -> dict[str, float]:

@@ -8,7 +8,8 @@ turn. Two implementations share one contract (`SessionStore`):
   (`ttl_s` after the last `bind`).
 * `RedisSessionStore` — every router replica sees every binding (session affinity across
   replicas). One Redis hash per session, ``{key_prefix}{session_id}`` with fields ``worker``
-  (``""`` = unbound), ``turns``, ``attained``, ``updated`` (epoch s), ``tenant``; its TTL is
+  (``""`` = unbound), ``turns``, ``attained``, ``updated`` (epoch s), ``tenant``, ``tip`` (where
+  the last turn's prompt reached: `session_tip`); its TTL is
   refreshed by every `bind`. A set ``{key_prefix without ':'}-worker:{worker}`` indexes the
   sessions bound to a worker (for `forget_worker`). `bind` is one Lua script (atomic:
   ``HSET worker/updated``, ``HINCRBY turns 1``, ``HINCRBYFLOAT attained``, ``PEXPIRE``).
@@ -91,7 +92,9 @@ class SessionRecord:
     `turns`: how many times it was bound (one per routed turn). `attained_tokens`: the service
     it received, summed over turns (whatever the caller counts per turn, usually prompt plus
     completion tokens). `updated`: epoch seconds of the last change. `tenant`: optional owner
-    (API key or user) for fairness accounting.
+    (API key or user) for fairness accounting. `tip`: where the last bound turn's prompt
+    reached, as `session_tip` wrote it (None: unknown) — the evidence a next request must
+    extend to count as the session's continuation (`extends_tip`).
     """
 
     worker: str | None
@@ -99,6 +102,30 @@ class SessionRecord:
     attained_tokens: float
     updated: float
     tenant: str | None = None
+    tip: str | None = None
+
+
+def session_tip(block_hashes: Sequence[int]) -> str:
+    """The tip of a turn's prompt: ``"n:h"`` with ``h`` its ``n``-th block hash, ``n`` one
+    less than its full blocks (the last full block may straddle the end of the prompt, which
+    the next turn's text can re-tokenize differently). ``""`` when the prompt is too short to
+    leave one (fewer than two full blocks)."""
+    n = len(block_hashes) - 1
+    return f"{n}:{block_hashes[n - 1]}" if n >= 1 else ""
+
+
+def extends_tip(tip: str | None, block_hashes: Sequence[int]) -> bool:
+    """True iff a request's block hashes carry the previous turn's tip at the same position:
+    the request's prompt starts with the previous turn's prompt (block hashes are chained, so
+    one equal hash at block ``n`` means the first ``n`` blocks are equal)."""
+    if not tip:
+        return False
+    n_text, _, h_text = tip.partition(":")
+    try:
+        n, h = int(n_text), int(h_text)
+    except ValueError:
+        return False
+    return 1 <= n <= len(block_hashes) and block_hashes[n - 1] == h
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +154,17 @@ class SessionStore(Protocol):
         ...
 
     async def bind(
-        self, session_id: str, worker: str, *, turn_tokens: float = 0, tenant: str | None = None
+        self,
+        session_id: str,
+        worker: str,
+        *,
+        turn_tokens: float = 0,
+        tenant: str | None = None,
+        tip: str | None = None,
     ) -> SessionRecord:
         """Atomically: bind to `worker`, ``turns += 1``, ``attained_tokens += turn_tokens``,
-        ``updated = now``, refresh the TTL (and set `tenant` when given). Returns the result."""
+        ``updated = now``, refresh the TTL (and set `tenant` and `tip` when given; ``tip=""``
+        clears it). Returns the result."""
         ...
 
     async def unbind(self, session_id: str, worker: str) -> bool:
@@ -232,17 +266,21 @@ class MemorySessionStore:
         *,
         turn_tokens: float = 0,
         tenant: str | None = None,
+        tip: str | None = None,
         now: float | None = None,
     ) -> SessionRecord:
         tokens = _check_tokens(turn_tokens)
         now = self.clock() if now is None else now
         old = self.get_now(session_id)
+        if tip is None:
+            tip = old.tip if old else None
         record = SessionRecord(
             worker=worker,
             turns=(old.turns if old else 0) + 1,
             attained_tokens=(old.attained_tokens if old else 0.0) + tokens,
             updated=now,
             tenant=tenant if tenant is not None else (old.tenant if old else None),
+            tip=tip or None,
         )
         self.put(session_id, record, now + self.ttl_s)
         return record
@@ -305,9 +343,15 @@ class MemorySessionStore:
         return self.get_now(session_id)
 
     async def bind(
-        self, session_id: str, worker: str, *, turn_tokens: float = 0, tenant: str | None = None
+        self,
+        session_id: str,
+        worker: str,
+        *,
+        turn_tokens: float = 0,
+        tenant: str | None = None,
+        tip: str | None = None,
     ) -> SessionRecord:
-        return self.bind_now(session_id, worker, turn_tokens=turn_tokens, tenant=tenant)
+        return self.bind_now(session_id, worker, turn_tokens=turn_tokens, tenant=tenant, tip=tip)
 
     async def unbind(self, session_id: str, worker: str) -> bool:
         return self.unbind_now(session_id, worker) is not None
@@ -335,12 +379,14 @@ class MemorySessionStore:
 
 # -- Redis ---------------------------------------------------------------------------------
 
-# KEYS: session, worker index. ARGV: worker, turn_tokens, now, ttl_ms, tenant ('' = keep), sid.
+# KEYS: session, worker index. ARGV: worker, turn_tokens, now, ttl_ms, tenant ('' = keep), sid,
+# tip ('-' = keep, '' = clear).
 _BIND_LUA = """
 redis.call('HSET', KEYS[1], 'worker', ARGV[1], 'updated', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HINCRBYFLOAT', KEYS[1], 'attained', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'tenant', ARGV[5]) end
+if ARGV[7] ~= '-' then redis.call('HSET', KEYS[1], 'tip', ARGV[7]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
@@ -368,8 +414,8 @@ return 1
 """
 
 # KEYS: session, worker index of the local worker. ARGV: worker ('' = unbound), turns,
-# attained, updated, tenant ('' = none), ttl_ms, sid. Last-writer-wins on `updated` for
-# worker/updated/tenant, maximum for turns/attained, TTL never shortened.
+# attained, updated, tenant ('' = none), ttl_ms, sid, tip. Last-writer-wins on `updated` for
+# worker/updated/tenant/tip, maximum for turns/attained, TTL never shortened.
 _MERGE_LUA = """
 local cur = redis.call('HMGET', KEYS[1], 'updated', 'turns', 'attained')
 local cu = tonumber(cur[1] or '-1') or -1
@@ -378,6 +424,7 @@ local ca = tonumber(cur[3] or '0') or 0
 if tonumber(ARGV[4]) > cu then
   redis.call('HSET', KEYS[1], 'worker', ARGV[1], 'updated', ARGV[4])
   if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'tenant', ARGV[5]) end
+  redis.call('HSET', KEYS[1], 'tip', ARGV[8])
   if ARGV[1] ~= '' then
     redis.call('SADD', KEYS[2], ARGV[7])
     if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[6]) then
@@ -411,6 +458,7 @@ def _decode_hash(flat: Sequence[Any]) -> SessionRecord | None:
         attained_tokens=float(h.get("attained", "0")),
         updated=float(h.get("updated", "0")),
         tenant=tenant or None,
+        tip=h.get("tip") or None,
     )
 
 
@@ -548,14 +596,20 @@ class RedisSessionStore:
         return self.local.get_now(session_id)
 
     async def bind(
-        self, session_id: str, worker: str, *, turn_tokens: float = 0, tenant: str | None = None
+        self,
+        session_id: str,
+        worker: str,
+        *,
+        turn_tokens: float = 0,
+        tenant: str | None = None,
+        tip: str | None = None,
     ) -> SessionRecord:
         tokens = _check_tokens(turn_tokens)
         now = self.clock()
         if self._usable():
             keys = [self.session_key(session_id), self.worker_key(worker)]
             args: list[str | int] = [worker, _num(tokens), _num(now), int(self.ttl_s * 1000)]
-            args += [tenant or "", session_id]
+            args += [tenant or "", session_id, "-" if tip is None else tip]
             try:
                 reply = await self._call(lambda: self._bind(keys=keys, args=args))
             except _RedisDown:
@@ -566,7 +620,9 @@ class RedisSessionStore:
                     self.local.put(session_id, record, now + self.ttl_s)
                     return record
         self.fallbacks += 1
-        record = self.local.bind_now(session_id, worker, turn_tokens=tokens, tenant=tenant, now=now)
+        record = self.local.bind_now(
+            session_id, worker, turn_tokens=tokens, tenant=tenant, tip=tip, now=now
+        )
         self._dirty[session_id] = None
         return record
 
@@ -716,7 +772,7 @@ class RedisSessionStore:
             entry = self.local.peek(sid)
             ttl_ms = max(1, int(((entry[1] if entry else now) - now) * 1000))
             args: list[str | int] = [rec.worker or "", rec.turns, _num(rec.attained_tokens)]
-            args += [_num(rec.updated), rec.tenant or "", ttl_ms, sid]
+            args += [_num(rec.updated), rec.tenant or "", ttl_ms, sid, rec.tip or ""]
             keys = [self.session_key(sid), self.worker_key(rec.worker or "")]
             await self._merge(keys=keys, args=args, client=pipe)
         replies = await self._call(pipe.execute, self.resync_timeout_s)

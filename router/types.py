@@ -8,8 +8,11 @@ about HTTP, ZMQ or Redis.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from beamserve.kvwire.geometry import DEFAULT_GEOMETRY, KVGeometry
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["vllm", "sglang", "sim", "ref"]
@@ -35,7 +38,10 @@ class Endpoint:
     until learned): `api` — its HTTP surface and so its P/D handoff style; `kv_send` /
     `kv_receive` — whether it can be the prefill / decode side of a KV handoff (SGLang:
     `disaggregation_mode` from `/server_info`); `bootstrap_port` — SGLang's bootstrap server;
-    `max_model_len` — the longest prompt + output it accepts (`/v1/models`).
+    `max_model_len` — the longest prompt + output it accepts (`/v1/models`); `geometry` — its KV
+    geometry (block size, sliding window, hash scheme, event format: `beamserve.kvwire.geometry`)
+    as it reported it; None: it reported none, so the router's default geometry (its flags)
+    applies (`RoutingCore.geometry_of`).
     """
 
     id: str
@@ -47,13 +53,13 @@ class Endpoint:
     kv_events: str | None = None
     kv_replay: str | None = None
     kv_layout: str = ""
-    block_size: int = 64
     labels: tuple[tuple[str, str], ...] = ()
     api: HandoffStyle | None = None
     kv_send: bool | None = None
     kv_receive: bool | None = None
     bootstrap_port: int | None = None
     max_model_len: int | None = None
+    geometry: KVGeometry | None = None
 
     def label(self, name: str) -> str | None:
         for k, v in self.labels:
@@ -94,12 +100,16 @@ class Endpoint:
 
     @property
     def hash_scheme(self) -> HashScheme:
+        """The KV-event wire format to decode: what the worker reported, else its engine."""
+        if self.geometry is not None:
+            return self.geometry.event_format
         return "sglang" if self.engine == "sglang" else "vllm"
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """How much of a request's prompt one worker holds, in blocks of the index's block size.
+    """How much of a request's prompt one worker holds, in blocks of that worker's block size
+    (`WorkerView.geometry`).
 
     `full_blocks`: leading blocks whose full-attention KV is resident (a run from block 0).
     `window_ok`: the window blocks covering the last `sliding_window` tokens of those
@@ -158,18 +168,22 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
-    """Everything a policy may look at for one candidate worker."""
+    """Everything a policy may look at for one candidate worker. `geometry`: the worker's KV
+    geometry (its own report, else the router's default) — `hit` is in its blocks, and every
+    part of the router prices the hit with its block size and sliding window."""
 
     endpoint: Endpoint
     load: WorkerLoad = field(default_factory=WorkerLoad)
     hit: PrefixHit = field(default_factory=PrefixHit)
     warm: bool = False  # the session's bound worker (session store)
+    geometry: KVGeometry = DEFAULT_GEOMETRY
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """One request as routing sees it: the prompt's block hashes (index's block size), its
-    length, its session and band."""
+    length, its session and band. `tenant`: whom the request is accounted to for fairness (the API
+    key's tenant, or the anonymous caller's address); `session_id` is already scoped to it."""
 
     request_id: str
     prompt_tokens: int
@@ -179,6 +193,15 @@ class RouteRequest:
     band: Band = "new"
     max_tokens: int = 256
     model: str = ""
+    tenant: str = ""
+    # KV geometry: `block_hashes` are in `geometry` (None: the router's default geometry);
+    # `hashes_for(g)` gives the prompt's hashes in another geometry (a worker that reports its
+    # own; cached per geometry), None when the prompt's tokens are not known (then a worker of
+    # another geometry gets no hit).
+    geometry: KVGeometry | None = None
+    hashes_for: Callable[[KVGeometry], tuple[int, ...]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
 
 @dataclass(frozen=True, slots=True)

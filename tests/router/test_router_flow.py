@@ -102,6 +102,11 @@ def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
 
     async def main() -> None:
         async with serving(rt) as c:
+            # session c's first turn: its next one (below) is `continuing` by evidence
+            sid = {"x-session-id": "c"}
+            r = await c.post("/v1/chat/completions", json=turn("c", "continue", False), headers=sid)
+            assert r.status_code == 200, r.text
+            order.clear()
             gate.closed = True
             low = {"x-beamserve-priority": "sheddable"}
             url = "/v1/chat/completions"
@@ -112,7 +117,7 @@ def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
             await asyncio.sleep(0.2)
             # the queue (3) is full: a continuing turn evicts the sheddable one
             cont = asyncio.create_task(c.post("/v1/chat/completions",
-                                       json=turn("c", "continue", True)))  # fmt: skip
+                                       json=turn("c", "continue", True), headers=sid))  # fmt: skip
             r = await shed
             assert r.status_code == 429, r.text
             assert r.json()["error"]["type"] == "requests"
