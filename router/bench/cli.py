@@ -74,7 +74,26 @@ def add_bench_route(bench_sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests")
     p.add_argument("--kv-event-lag-s", type=float, default=0.01, metavar="S")
     p.add_argument("--no-flow", action="store_true", help="dispatch without flow control")
+    p.add_argument(
+        "--router-replicas",
+        type=_replica_counts,
+        default=(1,),
+        metavar="N[,N...]",
+        help="replay through N independent router replicas (requests spread at random, one "
+        "shared session store), once per N; with 1 and more: goals of N against 1",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the replica draw")
     return p
+
+
+def _replica_counts(value: str) -> tuple[int, ...]:
+    try:
+        ns = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        ns = ()
+    if not ns or any(n < 1 for n in ns):
+        raise argparse.ArgumentTypeError(f"{value}: give replica counts ≥ 1, e.g. 1,4")
+    return ns
 
 
 def add_bench_route_overhead(bench_sub: Any) -> argparse.ArgumentParser:
@@ -94,6 +113,8 @@ def add_bench_route_overhead(bench_sub: Any) -> argparse.ArgumentParser:
 
 
 def route_main(args: argparse.Namespace, console: Console) -> int:
+    from dataclasses import replace
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import report
@@ -113,6 +134,7 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
             profile=args.profile,
             kv_event_lag_s=args.kv_event_lag_s,
             flow=not args.no_flow,
+            seed=args.seed,
         )
     except (TraceError, ReplayError) as exc:
         console.print(f"[red]{exc}")
@@ -130,12 +152,14 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
     )
     with Progress(*columns, console=console, transient=True) as progress:
 
-        def run_once(policy: str, at: float) -> PolicyRun:
-            task = progress.add_task(f"{policy} @ load {at:.3g}", total=n_requests)
+        def run_once(policy: str, at: float, replicas: int = 1) -> PolicyRun:
+            label = f"{policy} ×{replicas}" if replicas > 1 else policy
+            task = progress.add_task(f"{label} @ load {at:.3g}", total=n_requests)
             done = lambda n: progress.update(task, completed=n) if n % 25 == 0 else None  # noqa: E731
-            run = replay(trace, policy, at, config, on_request_done=done)
+            cfg = replace(config, router_replicas=replicas)
+            run = replay(trace, policy, at, cfg, on_request_done=done)
             progress.remove_task(task)
-            curves.setdefault(policy, []).append(
+            curves.setdefault(label, []).append(
                 (at, report.summarize(run).ttft_p90_s or float("nan"))
             )
             return run
@@ -145,9 +169,10 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
                 results.append(report.oracle_result(trace, load, args.workers))
                 continue
             if not (args.capacity or args.overload):
-                run = run_once(policy, load)
-                runs.append(run)
-                results.append(report.summarize(run))
+                for n in args.router_replicas:
+                    run = run_once(policy, load, n)
+                    runs.append(run)
+                    results.append(report.summarize(run))
                 continue
 
             def probe(at: float, policy: str = policy) -> Probe[PolicyRun]:
@@ -180,6 +205,9 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
             results,
         )
     )
+    goals = report.replica_goals(results, open_loop=trace.kind == "open")
+    if goals:
+        console.print(report.goals_table("router replicas: N against 1", goals))
     if args.assignments is not None:
         n = report.write_assignments(runs, args.assignments)
         console.print(f"wrote {n} assignments to {args.assignments}")

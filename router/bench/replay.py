@@ -30,6 +30,16 @@ transport latency); until then the routing-time predictions (``predict_ttl_s``) 
 gap. Engine metrics (queue length, running, KV usage) are scraped every
 ``scrape_interval_s`` while requests are active.
 
+Several router replicas (``router_replicas`` N > 1), as behind a plain L4 load balancer: N
+independent routers — each its own `PrefixIndex` (subscribed to every engine's KV events, with
+the same lag), `LoadBook`, `FlowController` and `RoutingCore` — and one shared session store
+(the Redis store in production: every replica sees every binding at once). Each request goes to
+a replica drawn at random (``seed``), as a balancer spreading connections does; a replica only
+ever books its own requests. Each replica scrapes every engine's true state (waiting, running,
+KV usage, `queued_prefill_tokens`) every ``scrape_interval_s``, replica ``k`` shifted by
+``k · scrape_interval_s / N`` (replicas do not scrape in step), and combines it with its own
+book (`beamserve.router.load.effective_load`). ``N = 1`` is the single router above.
+
 Flow control on a virtual clock. `FlowController.admit` is a coroutine (it waits on an
 asyncio future until dispatched). The replay runs the virtual clock inside an asyncio event
 loop: each arrival creates an ``admit`` task; after any clock event that touched the controller
@@ -46,6 +56,7 @@ import asyncio
 import functools
 import gc
 import itertools
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +64,7 @@ from functools import cache
 from typing import Any
 
 from beamserve.kvwire.events import KVEventBatch
+from beamserve.kvwire.geometry import KVGeometry
 from beamserve.router.core import CoreConfig, Dispatch, RoutingCore
 from beamserve.router.flow import (
     FlowConfig,
@@ -63,7 +75,7 @@ from beamserve.router.flow import (
     Ticket,
 )
 from beamserve.router.index.prefix_index import PrefixIndex
-from beamserve.router.load import LoadBook
+from beamserve.router.load import QUEUED_PREFILL_METRICS, LoadBook
 from beamserve.router.policy import RoutingPolicy, build_policy
 from beamserve.router.sessions import MemorySessionStore
 from beamserve.router.types import Band, Endpoint, RouteRequest
@@ -103,6 +115,8 @@ class ReplayConfig:
     | `predict_ttl_s` | ``10`` | lifetime of routing-time index predictions (s) |
     | `session_ttl_s` | ``3600`` | session store: binding lifetime after the last turn (s) |
     | `flow` | ``True`` | admit through the `FlowController` (False: dispatch at once) |
+    | `router_replicas` | ``1`` | independent router replicas, requests spread at random |
+    | `seed` | ``0`` | seed of the replica draw |
     | `flow_config` | `FlowConfig()` | bands, queue bounds, TTLs |
     | `saturation` | `SaturationConfig()` | the pool saturation detector |
     """
@@ -117,10 +131,14 @@ class ReplayConfig:
     flow: bool = True
     flow_config: FlowConfig = field(default_factory=FlowConfig)
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
+    router_replicas: int = 1
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ReplayError(f"workers: {self.workers}; give at least 1")
+        if self.router_replicas < 1:
+            raise ReplayError(f"router_replicas: {self.router_replicas}; give at least 1")
         for name in ("kv_event_lag_s", "session_interval_s", "scrape_interval_s"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name}: must be ≥ 0, got {getattr(self, name)}")
@@ -133,6 +151,7 @@ class RequestRecord:
     request: TraceRequest
     band: Band
     arrival_s: float
+    replica: int = 0
     worker: str | None = None
     reason: str = ""
     hit_kind: str = "none"
@@ -165,6 +184,7 @@ class PolicyRun:
     records: tuple[RequestRecord, ...]
     sim_s: float
     wall_s: float
+    router_replicas: int = 1
 
 
 @cache
@@ -249,6 +269,16 @@ class _FlowDriver:
                 await asyncio.sleep(0)
 
 
+@dataclass
+class _Replica:
+    """One router replica of a replay: everything a `beamserve router` process owns alone."""
+
+    index: PrefixIndex
+    core: RoutingCore
+    flow: _FlowDriver | None
+    ticking: bool = False
+
+
 class Replay:
     """One policy on one trace at one load; `run()` once."""
 
@@ -271,98 +301,128 @@ class Replay:
         profile = get_profile(cfg.profile)
         now = clock.now
         self.endpoints = [
-            Endpoint(id=f"w{i}", url=f"sim://w{i}", engine="sim", block_size=INDEX_BLOCK_SIZE)
-            for i in range(cfg.workers)
+            Endpoint(id=f"w{i}", url=f"sim://w{i}", engine="sim") for i in range(cfg.workers)
         ]
-        self.index = PrefixIndex(clock=now)
-        self.core = RoutingCore(
-            make_policy(policy, cfg.profile),
-            index=self.index,
-            loads=LoadBook(clock=now),
-            config=CoreConfig(
-                block_size=INDEX_BLOCK_SIZE,
-                sliding_window=profile.model.sliding_window,
-                predict_ttl_s=cfg.predict_ttl_s,
-            ),
-            clock=now,
+        self.replicas = [
+            self._replica(profile.model.sliding_window) for _ in range(cfg.router_replicas)
+        ]
+        # The first replica's parts (the only ones when N = 1).
+        self.index, self.core, self.flow = (
+            self.replicas[0].index,
+            self.replicas[0].core,
+            self.replicas[0].flow,
         )
+        self._spread = random.Random(cfg.seed)
         engine_cfg = EngineConfig.from_profile(profile, page_size=INDEX_BLOCK_SIZE)
         self.engines = {
             e.id: SimEngine(engine_cfg, clock, kv_events=self._sink(e.id)) for e in self.endpoints
         }
         self.sessions = MemorySessionStore(ttl_s=cfg.session_ttl_s, clock=now)
-        self.flow: _FlowDriver | None = None
-        if cfg.flow:
-            controller = FlowController(
-                cfg.flow_config, saturation=SaturationDetector(cfg.saturation), clock=now
-            )
-            self.flow = _FlowDriver(controller)
         self.records: list[RequestRecord] = []
         self._seq = itertools.count()
         self._active = 0  # queued or in flight
-        self._ticking = False
         self._done = 0
         self._on_request_done = on_request_done
 
     # --- wiring ---------------------------------------------------------------------------
 
+    def _replica(self, sliding_window: int) -> _Replica:
+        cfg, now = self.config, self.clock.now
+        index = PrefixIndex(clock=now)
+        core = RoutingCore(
+            make_policy(self.policy_name, cfg.profile),
+            index=index,
+            loads=LoadBook(clock=now),
+            config=CoreConfig(
+                geometry=KVGeometry.of(INDEX_BLOCK_SIZE, sliding_window),
+                predict_ttl_s=cfg.predict_ttl_s,
+            ),
+            clock=now,
+        )
+        flow = None
+        if cfg.flow:
+            controller = FlowController(
+                cfg.flow_config, saturation=SaturationDetector(cfg.saturation), clock=now
+            )
+            flow = _FlowDriver(controller)
+        return _Replica(index, core, flow)
+
     def _sink(self, worker: str) -> Callable[[KVEventBatch], None]:
-        index, clock, lag = self.index, self.clock, self.config.kv_event_lag_s
+        """Every replica's index subscribes to every engine's events (same lag for all)."""
+        indexes = [r.index for r in self.replicas]
+        clock, lag = self.clock, self.config.kv_event_lag_s
+
+        def apply(batch: KVEventBatch) -> None:
+            for index in indexes:
+                index.apply(worker, batch)
 
         def sink(batch: KVEventBatch) -> None:
             if lag > 0:
-                clock.call_at(clock.now() + lag, lambda: index.apply(worker, batch))
+                clock.call_at(clock.now() + lag, lambda: apply(batch))
             else:
-                index.apply(worker, batch)
+                apply(batch)
 
         return sink
 
-    def _observe_pool(self) -> None:
-        if self.flow is None:
+    def _observe_pool(self, k: int) -> None:
+        r = self.replicas[k]
+        if r.flow is None:
             return
-        loads = self.core.loads
+        loads = r.core.loads
         now = self.clock.now()
-        self.flow.controller.observe_pool([loads.load(e.id, now) for e in self.endpoints])
-        self.flow.dirty = True
+        r.flow.controller.observe_pool([loads.load(e.id, now) for e in self.endpoints])
+        r.flow.dirty = True
 
-    def _tick(self) -> None:
+    def _tick(self, k: int) -> None:
+        """Replica `k` scrapes every engine's true state (what its `/metrics` would say)."""
         now = self.clock.now()
+        loads = self.replicas[k].core.loads
         for wid, engine in self.engines.items():
             st = engine.stats()
-            self.core.loads.scraped(
+            loads.scraped(
                 wid,
                 {
                     "vllm:num_requests_waiting": st.waiting,
                     "vllm:num_requests_running": st.running,
                     "vllm:kv_cache_usage_perc": st.full_usage,
+                    QUEUED_PREFILL_METRICS[0]: st.queued_prefill_tokens,
                 },
                 now,
             )
-        self._observe_pool()
+        self._observe_pool(k)
         if self._active > 0 and self.config.scrape_interval_s > 0:
-            self.clock.call_at(now + self.config.scrape_interval_s, self._tick)
+            self.clock.call_at(now + self.config.scrape_interval_s, lambda: self._tick(k))
         else:
-            self._ticking = False
+            self.replicas[k].ticking = False
 
     def _ensure_tick(self) -> None:
-        if not self._ticking and self.config.scrape_interval_s > 0:
-            self._ticking = True
-            self.clock.call_at(self.clock.now(), self._tick)
+        interval = self.config.scrape_interval_s
+        if interval <= 0:
+            return
+        n = len(self.replicas)
+        for k, r in enumerate(self.replicas):
+            if not r.ticking:
+                r.ticking = True
+                self.clock.call_at(
+                    self.clock.now() + k * interval / n, functools.partial(self._tick, k)
+                )
 
     # --- request life ---------------------------------------------------------------------
 
     def _arrive(self, req: TraceRequest, next_in_session: int | None) -> None:
+        k = self._spread.randrange(len(self.replicas)) if len(self.replicas) > 1 else 0
         rec = RequestRecord(
-            req, "continuing" if req.turn >= 2 else "new", arrival_s=self.clock.now()
+            req, "continuing" if req.turn >= 2 else "new", arrival_s=self.clock.now(), replica=k
         )
         self.records.append(rec)
         self._active += 1
         self._ensure_tick()
-        if self.flow is None:
+        flow = self.replicas[k].flow
+        if flow is None:
             self._dispatch(rec, None, next_in_session)
             return
-        self._observe_pool()
-        self.flow.submit(
+        self._observe_pool(k)
+        flow.submit(
             rec.band,
             req.session or req.key,
             req.prompt_tokens,
@@ -390,8 +450,9 @@ class Replay:
             band=rec.band,
             max_tokens=req.output_tokens,
         )
-        flight = self.core.open(route, ticket)
-        decision = self.core.route(flight, self.endpoints, warm=warm)
+        core = self.replicas[rec.replica].core
+        flight = core.open(route, ticket)
+        decision = core.route(flight, self.endpoints, warm=warm)
         worker = decision.decode.id
         if req.session is not None:
             self.sessions.bind_now(req.session, worker, turn_tokens=req.prompt_tokens)
@@ -420,7 +481,7 @@ class Replay:
     ) -> None:
         if rec.first_token_s is None and u.num_output_tokens > 0:
             rec.first_token_s = u.time
-            self.core.first_token(flight)
+            self.replicas[rec.replica].core.first_token(flight)
         if not u.finished:
             return
         rec.finish_s = u.time
@@ -433,13 +494,14 @@ class Replay:
         self._end(rec, flight, next_k, u.time)
 
     def _end(self, rec: RequestRecord, flight: Dispatch, next_k: int | None, at: float) -> None:
+        core = self.replicas[rec.replica].core
         if rec.failed:
-            self.core.fail(flight, worker=rec.worker)
+            core.fail(flight, worker=rec.worker)
         else:
-            self.core.finish(flight, rec.output_tokens)  # the session was bound at dispatch
+            core.finish(flight, rec.output_tokens)  # the session was bound at dispatch
         self._active -= 1
         if flight.ticket is not None:
-            self._observe_pool()
+            self._observe_pool(rec.replica)
         self._count_done()
         if next_k is not None:
             self._schedule_turn(rec.request, next_k, at + rec.request.think_time_s / self.load)
@@ -480,7 +542,9 @@ class Replay:
                 try:
                     loop.run_until_complete(self._drive())
                 finally:
-                    self.flow.controller.close()
+                    for r in self.replicas:
+                        if r.flow is not None:
+                            r.flow.controller.close()
                     loop.close()
         finally:
             if gc_was_on:
@@ -497,20 +561,26 @@ class Replay:
             records,
             t_last - t_first,
             wall,
+            len(self.replicas),
         )
 
+    async def _settle(self) -> None:
+        flows = [r.flow for r in self.replicas if r.flow is not None]
+        while any(f.dirty for f in flows):
+            for f in flows:
+                await f.settle()
+
     async def _drive(self) -> None:
-        flow = self.flow
-        assert flow is not None
         clock = self.clock
         while True:
-            await flow.settle()
+            await self._settle()
             if clock.run(max_events=1) == 0:
-                await flow.settle()
+                await self._settle()
                 if clock.pending() == 0:
                     break
-        for task in list(flow.tasks):  # left queued at the end (none unless misconfigured)
-            task.cancel()
+        for r in self.replicas:  # left queued at the end (none unless misconfigured)
+            for task in list(r.flow.tasks if r.flow is not None else ()):
+                task.cancel()
 
 
 def replay(
@@ -533,5 +603,6 @@ def describe(config: ReplayConfig) -> dict[str, Any]:
         "kv_event_lag_s": config.kv_event_lag_s,
         "session_interval_s": config.session_interval_s,
         "flow": config.flow,
+        "router_replicas": config.router_replicas,
         "beamserve_prefill_tok_s": round(calibrated_prefill_tok_s(config.profile)),
     }

@@ -20,6 +20,11 @@ finished; shed requests count only in `shed_rate`):
 | `first_turn_ttft_p99_s` | TTFT p99 of first turns (band `new`) |
 | `partial_hit_rate` | decisions whose expected hit was partial (window tail evicted) |
 | `window_recompute_ratio` | tokens recomputed to rebuild an evicted window / Σ prompt |
+| `router_replicas` | independent router replicas the requests were spread over |
+
+`replica_goals(results)` checks several replicas against one (`--router-replicas 1,4`), per
+policy: block hit ∞ ≥ 0.99 × one replica's, TTFT p90 ≤ 1.1 × one replica's, no session split
+while its worker was unsaturated, and (open-loop traces) max/mean load ≤ 1.15.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class RouteResult:
     wall_s: float | None
     capacity_continuing_ttft_p99_s: float | None = None
     capacity_bounded: bool | None = None
+    router_replicas: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {k: _clean(v) for k, v in asdict(self).items()}
@@ -137,6 +143,7 @@ def summarize(run: PolicyRun) -> RouteResult:
         ),
         sim_s=run.sim_s,
         wall_s=run.wall_s,
+        router_replicas=run.router_replicas,
     )
 
 
@@ -255,6 +262,7 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
     table = Table(title=title)
     cols = (
         "policy",
+        "routers",
         "load",
         "hit",
         "block hit ∞",
@@ -275,6 +283,7 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
     for r in results:
         table.add_row(
             r.policy,
+            str(r.router_replicas),
             f"{r.load:.3g}",
             _fmt(r.hit_ratio, ".3f"),
             f"{r.block_hit_unbounded:.3f}",
@@ -286,9 +295,97 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
             _fmt(r.continuing_ttft_p99_s, ".3f"),
             _fmt(r.first_turn_ttft_p99_s, ".3f"),
             _fmt(r.max_mean_load, ".2f"),
-            "-" if r.sessions_split is None else f"{r.sessions_split}/{r.sessions}",
+            "-"
+            if r.sessions_split is None
+            else f"{r.sessions_split}/{r.sessions} ({r.sessions_split_unsaturated})",
             _fmt(r.shed_rate, ".1%"),
             _fmt(r.partial_hit_rate, ".1%"),
+        )
+    return table
+
+
+MAX_MEAN_GOAL = 1.15
+
+
+@dataclass(frozen=True)
+class ReplicaGoal:
+    """One goal of several replicas against one (`replica_goals`)."""
+
+    policy: str
+    router_replicas: int
+    goal: str
+    value: str
+    met: bool
+
+
+def replica_goals(results: Sequence[RouteResult], open_loop: bool) -> list[ReplicaGoal]:
+    """For every policy replayed with one replica and with more: the goals of the module
+    docstring (max/mean only for `open_loop` traces, where it is the issue's goal)."""
+    single = {r.policy: r for r in results if r.router_replicas == 1}
+    out: list[ReplicaGoal] = []
+    for r in results:
+        base = single.get(r.policy)
+        if r.router_replicas == 1 or base is None:
+            continue
+        n = r.router_replicas
+        hit, hit1 = r.block_hit_unbounded, base.block_hit_unbounded
+        out.append(
+            ReplicaGoal(
+                r.policy,
+                n,
+                "block hit ∞ ≥ 0.99 × 1 replica's",
+                f"{hit:.3f} vs {hit1:.3f} ({hit / hit1 if hit1 else math.nan:.3f} ×)",
+                hit >= 0.99 * hit1,
+            )
+        )
+        p90, p90_1 = r.ttft_p90_s, base.ttft_p90_s
+        if p90 is not None and p90_1 is not None:
+            out.append(
+                ReplicaGoal(
+                    r.policy,
+                    n,
+                    "TTFT p90 ≤ 1.1 × 1 replica's",
+                    f"{p90:.3f} s vs {p90_1:.3f} s ({p90 / p90_1 if p90_1 else math.nan:.2f} ×)",
+                    p90 <= 1.1 * p90_1,
+                )
+            )
+        if r.sessions_split_unsaturated is not None:
+            out.append(
+                ReplicaGoal(
+                    r.policy,
+                    n,
+                    "no session split while its worker is unsaturated",
+                    f"{r.sessions_split_unsaturated} of {r.sessions} "
+                    f"({r.sessions_split} split in all)",
+                    r.sessions_split_unsaturated == 0,
+                )
+            )
+        if open_loop and r.max_mean_load is not None:
+            out.append(
+                ReplicaGoal(
+                    r.policy,
+                    n,
+                    f"max/mean load ≤ {MAX_MEAN_GOAL}",
+                    f"{r.max_mean_load:.3f} (1 replica: {_fmt(base.max_mean_load, '.3f')})",
+                    r.max_mean_load <= MAX_MEAN_GOAL,
+                )
+            )
+    return out
+
+
+def goals_table(title: str, goals: Sequence[ReplicaGoal]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in ("policy", "routers", "goal", "result", ""):
+        table.add_column(c, justify="left")
+    for g in goals:
+        table.add_row(
+            g.policy,
+            str(g.router_replicas),
+            g.goal,
+            g.value,
+            "[green]met" if g.met else "[red]MISSED",
         )
     return table
 
