@@ -18,7 +18,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The peer routers of `beamserve bench agentic` (smg, vllm-router), pinned in router/bench/peers.txt.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
-DEBS := libfabric1 redis-server
+DEBS := libfabric1 redis-server haproxy
 PYTEST_ARGS ?=
 
 .PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route peers \
@@ -27,7 +27,8 @@ PYTEST_ARGS ?=
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
 # Debian packages the code needs: libfabric1 for Mooncake's transfer engine; redis-server for
-# the router's shared-session tests (started by the suite on a free loopback port).
+# the router's shared-session tests (started by the suite on a free loopback port); haproxy for
+# the router-replicas test (two routers behind a real L4 balancer, tests/router/replicas.py).
 debs:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

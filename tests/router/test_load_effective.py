@@ -84,7 +84,7 @@ def test_own_bookings_after_the_scrape_add_exactly_once(
 ) -> None:
     """A new own request (x uncached tokens) adds x to prefill and one to the queue; one that
     reached decode since (context y) adds y to decode — neither lost nor counted twice."""
-    p0, d0, q0, r0 = eff(own, scraped, at, age, p, c)
+    p0, d0, _, _ = eff(own, scraped, at, age, p, c)
     more = BookCounts(own.prefill_tokens + x, own.decode_tokens, own.prefilling + 1, own.decoding)
     p1, d1, q1, _ = eff(more, scraped, at, age, p, c)
     assert (p1 - p0, d1 - d0) == (x, 0)
