@@ -542,9 +542,9 @@ class Replay:
                 try:
                     loop.run_until_complete(self._drive())
                 finally:
-                    for r in self.replicas:
-                        if r.flow is not None:
-                            r.flow.controller.close()
+                    for replica in self.replicas:
+                        if replica.flow is not None:
+                            replica.flow.controller.close()
                     loop.close()
         finally:
             if gc_was_on:
