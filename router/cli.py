@@ -36,8 +36,8 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--endpoints", type=_json_arg, help="static workers: a JSON list of endpoint specs "
-        "(url, role, pool, revision, engine, kv_events, kv_replay, kv_layout, block_size, "
-        "labels) or a file holding it",
+        "(url, role, pool, revision, engine, kv_events, kv_replay, kv_layout, labels) or a "
+        "file holding it",
     )  # fmt: skip
     src.add_argument("--local-runtime", type=Path, help="the endpoints file `beamserve up` writes")
     src.add_argument("--kubernetes", metavar="DEPLOYMENT", help="watch this BeamDeployment's "
@@ -65,14 +65,19 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="checkpoint directory: precise mode (else approximate)")  # fmt: skip
-    p.add_argument("--block-size", type=positive_int, default=64)
+    # The default KV geometry, for workers that do not report their own (a worker's report
+    # wins; a mismatch is logged once per worker).
+    p.add_argument("--block-size", type=positive_int, default=64,
+                   help="tokens per KV block for workers that report none")  # fmt: skip
     p.add_argument(
         "--sliding-window",
         type=positive_int,
         default=None,
-        help="the model's window (default: config.json of --tokenizer, else Beam's 512)",
+        help="the model's window for workers that report none (default: config.json of "
+        "--tokenizer, else Beam's 512)",
     )
-    p.add_argument("--hash-scheme", choices=("vllm", "sglang"), default="vllm")
+    p.add_argument("--hash-scheme", choices=("vllm", "sglang"), default="vllm",
+                   help="block hashes (and KV events) for workers that report none")  # fmt: skip
     p.add_argument("--redis", default=None, help="redis://host:port/db for shared sessions")
     p.add_argument("--api-keys", type=_json_arg, default=None,
                    help='JSON {key: {"tenant", "priority": new|sheddable, "rate_per_s", '
@@ -87,15 +92,6 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
 
 def _json_arg_or_name(text: str) -> Any:
     return _json_arg(text) if text.lstrip().startswith("{") or Path(text).is_file() else text
-
-
-def _window_of(model_dir: Path | None) -> int:
-    """`sliding_window` from the checkpoint's config.json (Beam 1.0: 512)."""
-    if model_dir is not None and (model_dir / "config.json").is_file():
-        window = json.loads((model_dir / "config.json").read_text()).get("sliding_window")
-        if isinstance(window, int) and window > 0:
-            return window
-    return 512
 
 
 def router_main(args: argparse.Namespace) -> int:
@@ -123,13 +119,11 @@ def _discovery(args: argparse.Namespace) -> Any:
     return d.KubernetesDiscovery(args.kubernetes, access, namespace=args.namespace)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    import structlog
-    import uvicorn
+def runtime_config(args: argparse.Namespace) -> Any:
+    """The `RuntimeConfig` (`beamserve.router.server`) of parsed `beamserve router` arguments."""
     from beamserve.router.app import KeyPolicy, RouterSettings
-    from beamserve.router.server import GrpcGlue, RouterRuntime, RuntimeConfig
+    from beamserve.router.server import RuntimeConfig
 
-    logger = structlog.get_logger("beamserve.router")
     keys = {
         k: KeyPolicy(
             tenant=str(v.get("tenant", k[:8])),
@@ -145,20 +139,29 @@ async def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         debug_header=not args.no_debug_header,
     )
-    config = RuntimeConfig(
+    return RuntimeConfig(
         policy=args.policy,
         disaggregation=args.disaggregation,
         flow=args.flow,
         saturation=args.saturation,
         tokenizer=args.tokenizer,
         block_size=args.block_size,
-        sliding_window=args.sliding_window or _window_of(args.tokenizer),
+        sliding_window=args.sliding_window,  # None: config.json of --tokenizer, else 512
         hash_scheme=args.hash_scheme,
         redis_url=args.redis,
         scrape_interval_s=args.scrape_interval_s,
         prefill_timeout_s=args.prefill_timeout_s,
         settings=settings,
     )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import structlog
+    import uvicorn
+    from beamserve.router.server import GrpcGlue, RouterRuntime
+
+    logger = structlog.get_logger("beamserve.router")
+    config = runtime_config(args)
     rt = RouterRuntime(_discovery(args), config)
     await rt.start()
     grpc_server = None

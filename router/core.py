@@ -129,7 +129,8 @@ class RoutingCore:
 
     def block_hashes_for(self, request: RouteRequest, geometry: KVGeometry) -> tuple[int, ...]:
         """The request's block hashes in `geometry` (() when they cannot be computed)."""
-        if geometry == (request.geometry or self.config.geometry):
+        mine = request.geometry or self.config.geometry
+        if geometry is mine or geometry == mine:
             return request.block_hashes
         if request.hashes_for is None:
             return ()

@@ -18,10 +18,12 @@ for the first complete view. Lists are sorted by `Endpoint.id`; ids are unique.
 
     {"url": "http://127.0.0.1:8101", "id": "decode-0", "role": "decode", "pool": "main",
      "revision": "r1", "engine": "sim", "kv_events": 5557, "kv_replay": "tcp://127.0.0.1:5558",
-     "kv_layout": "", "block_size": 64, "labels": {"zone": "a"}}
+     "kv_layout": "", "labels": {"zone": "a"}}
 
 Only `url` is required; `id` defaults to the URL's `host:port`; `kv_events` / `kv_replay` take a
-port (same host as `url`, `tcp://`) or a full ZMQ endpoint.
+port (same host as `url`, `tcp://`) or a full ZMQ endpoint. The KV geometry (block size, window,
+hash scheme) is no part of a spec: each worker reports its own (`beamserve.router.facts`), the
+router's flags standing for workers that do not.
 
 **Local runtime file**: a JSON array of endpoint specs, replaced atomically (write a temporary
 file in the same folder, then rename; `write_local_endpoints` does this). A missing file means
@@ -31,7 +33,7 @@ no endpoints yet.
 `beamserve.io/deployment=<deployment>`, `beamserve.io/role` (`prefill` | `decode` | `both`,
 default `both`), `beamserve.io/pool` (default `default`), `beamserve.io/revision`,
 `beamserve.io/engine` (`vllm` | `sglang` | `sim` | `ref`, default `sim`), optionally annotated
-`beamserve.io/kv-layout` and `beamserve.io/block-size`, with named ports `http` (required),
+`beamserve.io/kv-layout`, with named ports `http` (required),
 `kv-events` and `kv-replay`. Its EndpointSlices (label `kubernetes.io/service-name`) give the
 addresses: one `Endpoint` per ready address per Service (`conditions.ready` true, or unset,
 which the API defines as ready; terminating endpoints never count). `Endpoint.id` is the pod
@@ -73,7 +75,6 @@ LABEL_POOL = "beamserve.io/pool"
 LABEL_REVISION = "beamserve.io/revision"
 LABEL_ENGINE = "beamserve.io/engine"
 ANNOTATION_KV_LAYOUT = "beamserve.io/kv-layout"
-ANNOTATION_BLOCK_SIZE = "beamserve.io/block-size"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 LABEL_HOSTNAME = "kubernetes.io/hostname"
 LABEL_ZONE = "topology.kubernetes.io/zone"
@@ -213,7 +214,6 @@ class EndpointSpec(BaseModel):
     kv_events: int | str | None = None
     kv_replay: int | str | None = None
     kv_layout: str = ""
-    block_size: int = Field(default=64, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)
 
     def to_endpoint(self) -> Endpoint:
@@ -233,7 +233,6 @@ class EndpointSpec(BaseModel):
             kv_events=_zmq_endpoint(self.kv_events, host),
             kv_replay=_zmq_endpoint(self.kv_replay, host),
             kv_layout=self.kv_layout,
-            block_size=self.block_size,
             labels=tuple(sorted(self.labels.items())),
         )
 
@@ -290,7 +289,6 @@ def endpoint_spec(endpoint: Endpoint) -> dict[str, Any]:
         "kv_events": endpoint.kv_events,
         "kv_replay": endpoint.kv_replay,
         "kv_layout": endpoint.kv_layout,
-        "block_size": endpoint.block_size,
         "labels": dict(endpoint.labels),
     }
     return spec
@@ -497,7 +495,7 @@ def _with_id(ep: Endpoint, new_id: str) -> Endpoint:
         kv_events=ep.kv_events,
         kv_replay=ep.kv_replay,
         kv_layout=ep.kv_layout,
-        block_size=ep.block_size,
+        geometry=ep.geometry,
         labels=ep.labels,
     )
 
@@ -509,7 +507,6 @@ class _Template:
     revision: str
     engine: EngineKind
     kv_layout: str
-    block_size: int
     labels: tuple[tuple[str, str], ...]
 
 
@@ -528,20 +525,12 @@ def _template(svc: _Service) -> _Template | None:
     if not any(p.name == PORT_HTTP for p in svc.spec.ports or []):
         log.warning("service skipped: no port named 'http'", service=name)
         return None
-    try:
-        block_size = int(annotations.get(ANNOTATION_BLOCK_SIZE, "64"))
-    except ValueError:
-        block_size = 0
-    if block_size <= 0:
-        log.warning("service skipped: bad block size annotation", service=name)
-        return None
     return _Template(
         role=cast(Role, role),
         pool=labels.get(LABEL_POOL, "default"),
         revision=labels.get(LABEL_REVISION, ""),
         engine=cast(EngineKind, engine),
         kv_layout=annotations.get(ANNOTATION_KV_LAYOUT, ""),
-        block_size=block_size,
         labels=tuple(sorted({**labels, LABEL_SERVICE_NAME: svc.metadata.name}.items())),
     )
 
@@ -571,7 +560,6 @@ def _endpoint(
         kv_events=f"tcp://{host}:{kv_events}" if kv_events else None,
         kv_replay=f"tcp://{host}:{kv_replay}" if kv_replay else None,
         kv_layout=t.kv_layout,
-        block_size=t.block_size,
         labels=tuple(sorted({**dict(t.labels), **extra}.items())),
     )
 

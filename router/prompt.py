@@ -2,7 +2,9 @@
 
 Precise mode (a checkpoint directory is configured): render the chat exactly as the engine does
 (`beamserve.kvwire.codec.PromptCodec`: the checkpoint's chat template and tokenizer)
-and hash `block_size`-token blocks with the engine's scheme — vLLM's chained sha256 for vLLM,
+and hash `block_size`-token blocks with the engine's scheme (the router's default KV geometry;
+a worker that reports another block size or scheme gets the prompt hashed in its own, once per
+distinct geometry and request: `PromptKey.hashes_for`) — vLLM's chained sha256 for vLLM,
 `sim` and `ref` workers; SGLang's page hash for SGLang workers — so the router's index keys are
 the very hashes the engines publish in their KV events.
 
@@ -38,13 +40,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from beamserve.kvwire.codec import ApproxCodec, Codec, PromptCodec
+from beamserve.kvwire.geometry import HashScheme, KVGeometry
 from beamserve.kvwire.hashing import hash_blocks_sglang, hash_blocks_vllm, none_hash
 from beamserve.router.api.convert import UpstreamCall
 
-HashScheme = Literal["vllm", "sglang"]
+__all__ = ["HashScheme", "PromptHasher", "PromptKey", "PromptTooLong"]
 
 APPROX_SPLIT_TOKENS = ("<|im_start|>",)
 DEFAULT_SEGMENT_CACHE_BYTES = 128 << 20
@@ -59,15 +62,28 @@ class PromptKey:
 
     `PromptKey(token_ids, block_hashes, precise)`; from `PromptHasher.key` the `token_ids`
     tuple is only assembled (from cached segments) when first read — routing needs only
-    `prompt_tokens` and `block_hashes`."""
+    `prompt_tokens` and `block_hashes`. `hashes_for(geometry)`: the block hashes in another
+    KV geometry (a worker with its own block size or scheme), computed once per geometry."""
 
-    __slots__ = ("_ids", "_parts", "block_hashes", "precise", "prompt_tokens")
+    __slots__ = (
+        "_buf",
+        "_by_layout",
+        "_hasher",
+        "_ids",
+        "_parts",
+        "block_hashes",
+        "precise",
+        "prompt_tokens",
+    )
 
     def __init__(
         self, token_ids: Sequence[int], block_hashes: tuple[int, ...], precise: bool
     ) -> None:
         self._ids: tuple[int, ...] | None = tuple(token_ids)
         self._parts: Sequence[tuple[int, ...]] = ()
+        self._buf: bytes | None = None
+        self._hasher: PromptHasher | None = None
+        self._by_layout: dict[tuple[int, str], tuple[int, ...]] | None = None
         self.prompt_tokens = len(self._ids)
         self.block_hashes = block_hashes
         self.precise = precise
@@ -81,6 +97,24 @@ class PromptKey:
         key._ids, key._parts = (parts[0] if len(parts) == 1 else None), parts
         key.prompt_tokens = sum(map(len, parts))
         return key
+
+    def hashes_for(self, geometry: KVGeometry) -> tuple[int, ...]:
+        """The prompt's block hashes in `geometry`'s block size and hash scheme (its window and
+        event format do not change them); its own `block_hashes` when they already are."""
+        hasher = self._hasher
+        if hasher is None:
+            return ()
+        bs, scheme = geometry.block_size, geometry.hash_scheme
+        if bs == hasher.block_size and scheme == hasher.scheme:
+            return self.block_hashes
+        cache = self._by_layout
+        if cache is None:
+            cache = self._by_layout = {}
+        out = cache.get((bs, scheme))
+        if out is None:
+            parts = list(self._parts) if self._parts else [self.token_ids]
+            out = cache[(bs, scheme)] = hasher.hashes_in(parts, self._buf, bs, scheme)
+        return out
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -455,28 +489,34 @@ class PromptHasher:
 
     # --- block hashes ----------------------------------------------------------------------
 
-    def _scratch(self, token_ids: Sequence[int], parent: bytes | None) -> list[tuple[bytes, int]]:
-        if self.scheme == "sglang":
-            pages = hash_blocks_sglang(
-                token_ids, self.block_size, parent=parent, include_partial=False
-            )
+    @staticmethod
+    def _scratch(
+        token_ids: Sequence[int], parent: bytes | None, bs: int, scheme: HashScheme
+    ) -> list[tuple[bytes, int]]:
+        if scheme == "sglang":
+            pages = hash_blocks_sglang(token_ids, bs, parent=parent, include_partial=False)
             return [(b.digest, b.event_id) for b in pages]
-        return [
-            (b.digest, b.event_id) for b in hash_blocks_vllm(token_ids, self.block_size, parent)
-        ]
+        return [(b.digest, b.event_id) for b in hash_blocks_vllm(token_ids, bs, parent)]
 
     def _hashes(self, parts: list[tuple[int, ...]], buf: bytes | None) -> tuple[int, ...]:
-        bs = self.block_size
+        return self.hashes_in(parts, buf, self.block_size, self.scheme)
+
+    def hashes_in(
+        self, parts: Sequence[tuple[int, ...]], buf: bytes | None, bs: int, scheme: HashScheme
+    ) -> tuple[int, ...]:
+        """Event ids of the full `bs`-token blocks of the concatenated `parts` (`buf`: their
+        uint32 bytes, or None) in `scheme`, through the block cache (rooted per scheme and
+        block size, so geometries never share entries)."""
         if buf is None or self.blocks.max_blocks <= 0:
             ids: list[int] = []
             for part in parts:
                 ids += part
-            return tuple(e for _, e in self._scratch(ids, None))
+            return tuple(e for _, e in self._scratch(ids, None, bs, scheme))
         step = 4 * bs  # bytes per block in `buf`
         n = len(buf) // step
         if n == 0:
             return ()
-        if self.scheme == "sglang":
+        if scheme == "sglang":
             root_key: tuple[Any, ...] = ("sglang", bs)
             parent: bytes | None = None
         else:
@@ -488,7 +528,7 @@ class PromptHasher:
         if k < n or n_runs < n // self.blocks.stride:
             if nodes:
                 parent = nodes[-1][1]
-            new = self._scratch(array(_U32, buf[k * step : n * step]).tolist(), parent)
+            new = self._scratch(array(_U32, buf[k * step : n * step]).tolist(), parent, bs, scheme)
             nodes = self.blocks.extend(root, nodes, new, buf, step, n_runs)
         return tuple([node[2] for node in nodes])
 
@@ -501,7 +541,9 @@ class PromptHasher:
         """The request's prompt key. `limit`: the most tokens it may have; a prompt that has
         more for sure (`token_floor`) raises `PromptTooLong` before being tokenized."""
         parts, buf = self._call_tokens(call, limit)
-        return PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)
+        key = PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)
+        key._hasher, key._buf = self, buf
+        return key
 
 
 def _uint32(ids: Sequence[int]) -> bytes | None:

@@ -151,9 +151,9 @@ class RouterRuntime:
 
     def _on_endpoints(self, endpoints: list[Endpoint]) -> None:
         self._discovered = list(endpoints)
-        self.hub.sync(endpoints)
-        self.loads.forget(e.id for e in endpoints)
         self.facts.forget(endpoints)
+        self.hub.sync(self.endpoints())  # event formats as the workers reported them
+        self.loads.forget(e.id for e in endpoints)
         log.info("router.endpoints", workers=[e.id for e in endpoints])
 
     async def start(self) -> None:

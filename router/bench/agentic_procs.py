@@ -297,7 +297,7 @@ def _sglang_router_exe() -> str | None:
 def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
     endpoints = []
     for w in workers:
-        e: dict[str, Any] = {"url": w.url, "role": "both", "engine": "sim", "block_size": 64}
+        e: dict[str, Any] = {"url": w.url, "role": "both", "engine": "sim"}
         if w.kv_events:
             e["kv_events"] = w.kv_events
             e["kv_replay"] = w.kv_replay

@@ -42,6 +42,7 @@ from beamserve.kvwire.events import (
     BlockStored,
     KVEventBatch,
 )
+from beamserve.kvwire.geometry import KVGeometry
 from beamserve.kvwire.hashing import block_hashes
 from beamserve.router.core import CoreConfig, RoutingCore
 from beamserve.router.index.prefix_index import PrefixIndex, measure_index_memory
@@ -118,14 +119,14 @@ def measure_overhead(
     """Run the measurement (see the module docstring)."""
     rng = random.Random(seed)
     n_blocks = PROMPT_TOKENS // BLOCK
-    endpoints = [Endpoint(id=f"w{i}", url=f"http://w{i}", block_size=BLOCK) for i in range(workers)]
+    endpoints = [Endpoint(id=f"w{i}", url=f"http://w{i}") for i in range(workers)]
     index = PrefixIndex()
     loads = LoadBook()
     core = RoutingCore(
         make_policy(policy, profile),
         index=index,
         loads=loads,
-        config=CoreConfig(block_size=BLOCK, sliding_window=WINDOW),
+        config=CoreConfig(geometry=KVGeometry.of(BLOCK, WINDOW)),
     )
     # Each prompt is a chain: a shared 2K-token system prefix, then its own blocks.
     system = tuple(rng.getrandbits(64) for _ in range(32))

@@ -12,7 +12,7 @@ Two sets (bundled in ``data/traces/``, see its README):
   an *open-loop* `Trace` of `TraceRequest`s at their timestamps (ms → s).
 
 Block size. The router's index and the engines' prefix caches key on 64-token pages (Beam's page
-size, `CoreConfig.block_size`), so every request carries its prompt as 64-token block hashes
+size, `CoreConfig.geometry`), so every request carries its prompt as 64-token block hashes
 (`TraceRequest.block_hashes`, ``prompt_tokens // 64`` of them). A Mooncake 512-token block id
 ``h`` is *expanded* into the 8 derived ids ``MOONCAKE_BASE + 8·h + j`` (j = 0..7) for its
 64-token sub-blocks: equal 512-token ids give equal sub-block ids, so prefix sharing is kept

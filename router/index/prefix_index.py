@@ -224,6 +224,9 @@ class PrefixIndex:
         self._memo: tuple[tuple[int | bytes, ...], list[int]] = ((), [])
         self.events_applied = 0
         self.ignored_events = 0
+        # worker id -> the last `kv_cache_spec_sliding_window` its BlockStored events carried:
+        # the window the engine really runs (the router lays it over that worker's geometry).
+        self.reported_windows: dict[str, int] = {}
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -261,6 +264,7 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: str) -> bool:
         """Forget a worker and every entry and prediction it had (O(1)). False if unknown."""
+        self.reported_windows.pop(worker_id, None)
         return self._retire(worker_id)
 
     def clear_worker(self, worker_id: str) -> None:
@@ -299,15 +303,19 @@ class PrefixIndex:
         """Apply one batch of a worker's KV events, in order.
 
         Events are recognised by class name (``BlockStored`` / ``BlockRemoved`` /
-        ``AllBlocksCleared``) with vLLM field names, so both ``beamserve.workers.kv_events``
-        (as `decode_batch` returns them, vLLM or SGLang) and ``beamserve.kvwire.events``
-        batches work. Unknown event types and groups are counted and skipped.
+        ``AllBlocksCleared``) with vLLM field names: ``beamserve.kvwire.events`` batches (as
+        the subscriber's `decode_batch` returns them, vLLM or SGLang format) or an engine's own
+        classes of those names. Unknown event types and groups are counted and skipped. A
+        ``kv_cache_spec_sliding_window`` is remembered per worker (`reported_windows`).
         """
         bit = self._bit(worker_id)
         for event in batch.events:
             name = type(event).__name__
             if name == "BlockStored":
                 known = self._stored(bit, event)
+                window = getattr(event, "kv_cache_spec_sliding_window", None)
+                if window is not None:
+                    self.reported_windows[worker_id] = window
             elif name == "BlockRemoved":
                 known = self._removed(bit, event)
             elif name == "AllBlocksCleared":

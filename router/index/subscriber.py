@@ -4,8 +4,10 @@ Contract
 --------
 `KVEventSubscriber` owns one worker's stream: a SUB socket on the worker's PUB endpoint
 (frames ``[topic, seq as 8-byte big-endian, msgpack payload]``, decoded with
-``beamserve.workers.kv_events.decode_batch`` in the worker's wire format, ``"vllm"`` or
-``"sglang"``), applying each batch to the index exactly once, in ``seq`` order.
+``beamserve.kvwire.events.decode_batch`` in the worker's wire format, ``"vllm"`` or
+``"sglang"``: `Endpoint.hash_scheme`, its reported geometry's event format), applying each
+typed batch to the index exactly once, in ``seq`` order. The ZMQ framing ends here: the index
+takes `KVEventBatch`es only.
 
 - **Base.** The first batch seen is the base: its ``seq`` is accepted whatever it is. With
   ``replay_from_start`` the subscriber first asks the replay socket for everything from seq 0

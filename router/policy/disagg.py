@@ -3,7 +3,8 @@ prompt is large; otherwise prefill on the chosen decode worker.
 
 Decision, for the decode worker already chosen (its hit ``h``; ``P`` prompt tokens)::
 
-    cached   = effective_cached_tokens(h)         (a partial hit recomputes its window tail)
+    cached   = effective_cached_tokens(h)         (a partial hit recomputes its window tail;
+                                                   the decode worker's block size and window)
     uncached = P − cached,   cached_ratio = cached / P
     require = "both"   (default): disaggregate iff uncached ≥ min_uncached_tokens
                                                 AND cached_ratio < max_cached_ratio
@@ -37,6 +38,9 @@ the stable hash of the session/request id. No such worker → prefill locally.
 | `require` | ``"both"`` | ``"both"``: both tests must hold; ``"either"``: one suffices |
 | `prefill_tok_s`, … | as `ttft` | the `ttft` parameters: cost of each prefill candidate |
 
+Block size and sliding window are no parameters: each worker's come from its KV geometry
+(`WorkerView.geometry`: its own report, else the router's flags).
+
 Config example::
 
     disaggregation:
@@ -52,9 +56,10 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import structlog
+from beamserve.kvwire.geometry import DEFAULT_GEOMETRY
 from beamserve.router.policy.base import break_tie, parse_params
 from beamserve.router.policy.kv_compat import pairs_with
-from beamserve.router.policy.prefix_affinity import DEFAULT_SLIDING_WINDOW, effective_cached_tokens
+from beamserve.router.policy.prefix_affinity import effective_cached_tokens
 from beamserve.router.policy.ttft import TTFTParams, estimate_ttft
 from beamserve.router.types import Endpoint, PrefixHit, RouteDecision, RouteRequest, WorkerView
 from pydantic import Field
@@ -78,12 +83,13 @@ def decide_disaggregation(
     min_uncached_tokens: int = 2048,
     max_cached_ratio: float = 0.7,
     require: Require = "both",
-    block_size: int = 64,
-    sliding_window: int = DEFAULT_SLIDING_WINDOW,
+    block_size: int = DEFAULT_GEOMETRY.block_size,
+    sliding_window: int = DEFAULT_GEOMETRY.sliding_window,
     predicted_credit: float = 1.0,
 ) -> bool:
     """True when `request` should be prefilled on the prefill pool (rule in the module
-    docstring); `decode_hit` is the chosen decode worker's hit in blocks of `block_size`."""
+    docstring); `decode_hit` is the chosen decode worker's hit in blocks of `block_size`
+    (its geometry's, with its `sliding_window`)."""
     if request.prompt_tokens <= 0:
         return False
     cached = effective_cached_tokens(
@@ -149,14 +155,18 @@ class ConditionalDisaggregation:
         decode = decision.decode
         if not decode.receives_kv:  # aggregated serving (a `both` pool): nothing to pair with
             return decision
-        if not p.enabled or not decide_disaggregation(
+        if not p.enabled:
+            return replace(decision, explain=f"{decision.explain} | disagg=no (local prefill)")
+        # The decode worker's geometry: its hit is in its blocks.
+        g = next((v.geometry for v in views if v.endpoint.id == decode.id), DEFAULT_GEOMETRY)
+        if not decide_disaggregation(
             request,
             decision.expected_hit,
             min_uncached_tokens=p.min_uncached_tokens,
             max_cached_ratio=p.max_cached_ratio,
             require=p.require,
-            block_size=p.block_size or decode.block_size,
-            sliding_window=p.sliding_window,
+            block_size=g.block_size,
+            sliding_window=g.sliding_window,
             predicted_credit=p.predicted_credit,
         ):
             return replace(decision, explain=f"{decision.explain} | disagg=no (local prefill)")

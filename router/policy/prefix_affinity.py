@@ -8,8 +8,10 @@ Formula (hybrid-aware)::
            = max(0, min(k · B, P) − W)          if the hit is partial (window tail not resident)
     score  = cached / P                         (0 when P = 0)
 
-with ``B`` the index block size (tokens), ``P = request.prompt_tokens`` and ``W`` the model's
-sliding window. Why the partial penalty: Beam's sliding-window layers need the KV of the last
+with ``B`` the worker's block size (tokens), ``P = request.prompt_tokens`` and ``W`` its
+sliding window — both from the worker's KV geometry (`WorkerView.geometry`: what the worker
+reported, else the router's `--block-size` / `--sliding-window`).
+Why the partial penalty: Beam's sliding-window layers need the KV of the last
 ``W`` tokens before the first uncached position. When those window blocks were evicted
 (`PrefixHit.window_ok` False) the engine must recompute tokens ``[k·B − W, k·B)`` before it can
 continue, so a partial hit saves only ``k·B − W`` tokens of prefill. Peers that index only the
@@ -22,13 +24,11 @@ Intent: affinity — send the prompt where its prefix is resident (long agentic 
 miss cost seconds of prefill). Balance against load with the `load` scorer or use the
 `sticky-until-saturated` policy, which prices both in seconds.
 
-Data: `WorkerView.hit` (from the prefix index), `RouteRequest.prompt_tokens`,
-`Endpoint.block_size` (when `block_size` is not set).
+Data: `WorkerView.hit` (from the prefix index), `WorkerView.geometry` (block size, sliding
+window), `RouteRequest.prompt_tokens`.
 
 | parameter | default | meaning |
 |---|---|---|
-| `block_size` | ``None`` | tokens per index block; ``None``: each worker's `Endpoint.block_size` |
-| `sliding_window` | ``512`` | config.json `sliding_window` (Beam 1.0: 512); 0: none |
 | `predicted_credit` | ``1.0`` | share of a predicted (unconfirmed) block that counts |
 
 Config example::
@@ -36,7 +36,7 @@ Config example::
     scorers:
       - type: prefix-affinity
         weight: 3
-        params: {sliding_window: 512, predicted_credit: 0.8}
+        params: {predicted_credit: 0.8}
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from beamserve.kvwire.geometry import DEFAULT_GEOMETRY
 from beamserve.router.policy.base import PluginParams, clamp01, parse_params
 from beamserve.router.types import PrefixHit, RouteRequest, WorkerView
 from pydantic import Field
 
 TYPE = "prefix-affinity"
-DEFAULT_SLIDING_WINDOW = 512
+DEFAULT_SLIDING_WINDOW = DEFAULT_GEOMETRY.sliding_window
 
 
 def effective_cached_tokens(
@@ -76,8 +77,6 @@ def effective_cached_tokens(
 
 
 class PrefixAffinityParams(PluginParams):
-    block_size: int | None = Field(default=None, gt=0)
-    sliding_window: int = Field(default=DEFAULT_SLIDING_WINDOW, ge=0)
     predicted_credit: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
@@ -87,27 +86,21 @@ class PrefixAffinityScorer:
     type = TYPE
     reason = "prefix"
 
-    def __init__(
-        self,
-        block_size: int | None = None,
-        sliding_window: int = DEFAULT_SLIDING_WINDOW,
-        predicted_credit: float = 1.0,
-    ) -> None:
-        self.block_size = block_size
-        self.sliding_window = sliding_window
+    def __init__(self, predicted_credit: float = 1.0) -> None:
         self.predicted_credit = predicted_credit
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None = None) -> PrefixAffinityScorer:
         p = parse_params(PrefixAffinityParams, params, f"scorer {TYPE!r}")
-        return cls(p.block_size, p.sliding_window, p.predicted_credit)
+        return cls(p.predicted_credit)
 
     def cached_tokens(self, request: RouteRequest, view: WorkerView) -> float:
+        g = view.geometry
         return effective_cached_tokens(
             view.hit,
             request.prompt_tokens,
-            block_size=self.block_size or view.endpoint.block_size,
-            sliding_window=self.sliding_window,
+            block_size=g.block_size,
+            sliding_window=g.sliding_window,
             predicted_credit=self.predicted_credit,
         )
 

@@ -29,12 +29,15 @@ Why the recompute term: ``ttft(b)`` prices the prefill the move repeats for *thi
 not for the pool. The repeated tokens are work the pool would not otherwise do, and every
 request queued on ``b`` after this one waits for them too. When the whole pool is saturated a
 move swaps one long queue for another and adds that work; the saving must pay for it a second
-time (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it. The no-warm case is Dynamo's cost rule in seconds
+time (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it.
+
+The no-warm case is Dynamo's cost rule in seconds
 (``cost = prefill blocks + decode load``), llm-d's "sticky until saturated" for the warm case.
 
 Scores reported in the decision: ``1 / (1 + ttft_s)`` per candidate (1 = instant).
 
-Data: `WorkerView.warm`, `.hit`, `.load`; `RouteRequest.prompt_tokens`, `.session_id`.
+Data: `WorkerView.warm`, `.hit`, `.load`, `.geometry` (each worker's block size and sliding
+window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 
 | parameter | default | meaning |
 |---|---|---|
@@ -44,8 +47,6 @@ Data: `WorkerView.warm`, `.hit`, `.load`; `RouteRequest.prompt_tokens`, `.sessio
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
-| `block_size` | ``None`` | index block size (``None``: `Endpoint.block_size`) |
-| `sliding_window` | ``512`` | the model's sliding window |
 | `predicted_credit` | ``1.0`` | share of a predicted hit block that counts |
 
 Config example::

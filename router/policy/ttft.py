@@ -2,7 +2,9 @@
 
 Formula (seconds)::
 
-    uncached = P − effective_cached_tokens(hit)          (a partial hit recomputes its window tail)
+    uncached = P − effective_cached_tokens(hit)          (a partial hit recomputes its window tail;
+                                                          block size and window: the worker's
+                                                          `WorkerView.geometry`)
     ttft     = overhead_s
              + (queued_prefill + uncached + decode_interference · decode_tokens) / prefill_tok_s
 
@@ -20,8 +22,6 @@ seconds (`sticky-until-saturated`) and reported in the explain string.
 | `prefill_tok_s` | ``40000`` | prefill throughput, tokens/s (calibrate per pool) |
 | `decode_interference` | ``0.002`` | prefill-token cost of one decode-context token |
 | `overhead_s` | ``0.0`` | fixed per-request cost (scheduling, first decode step) |
-| `block_size` | ``None`` | index block size; ``None``: `Endpoint.block_size` |
-| `sliding_window` | ``512`` | the model's sliding window (0: no sliding layers) |
 | `predicted_credit` | ``1.0`` | share of a predicted (unconfirmed) hit block that counts |
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from beamserve.router.policy.base import PluginParams
-from beamserve.router.policy.prefix_affinity import DEFAULT_SLIDING_WINDOW
 from beamserve.router.types import RouteRequest, WorkerView
 from pydantic import Field
 
@@ -44,8 +43,6 @@ class TTFTParams(PluginParams):
     prefill_tok_s: float = Field(default=DEFAULT_PREFILL_TOK_S, gt=0)
     decode_interference: float = Field(default=DEFAULT_DECODE_INTERFERENCE, ge=0)
     overhead_s: float = Field(default=0.0, ge=0)
-    block_size: int | None = Field(default=None, gt=0)
-    sliding_window: int = Field(default=DEFAULT_SLIDING_WINDOW, ge=0)
     predicted_credit: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
@@ -72,9 +69,10 @@ def estimate_ttft(view: WorkerView, request: RouteRequest, params: TTFTParams) -
     else:
         predicted = min(max(hit.predicted_blocks, 0), full)
         blocks = full - (1.0 - params.predicted_credit) * predicted
-        cached = min(blocks * (params.block_size or view.endpoint.block_size), float(prompt))
+        g = view.geometry  # the worker's own block size and window
+        cached = min(blocks * g.block_size, float(prompt))
         if not hit.window_ok:
-            cached = max(0.0, cached - params.sliding_window)
+            cached = max(0.0, cached - g.sliding_window)
     uncached = max(prompt - cached, 0.0)
     load = view.load
     queued = max(load.prefill_tokens, 0) + max(load.foreign_prefill_tokens, 0)
@@ -96,8 +94,6 @@ def estimate_ttft_s(
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S,
     decode_interference: float = DEFAULT_DECODE_INTERFERENCE,
     overhead_s: float = 0.0,
-    block_size: int | None = None,
-    sliding_window: int = DEFAULT_SLIDING_WINDOW,
     predicted_credit: float = 1.0,
 ) -> float:
     """Estimated seconds to the first token if `request` goes to `view`'s worker."""
@@ -105,8 +101,6 @@ def estimate_ttft_s(
         prefill_tok_s=prefill_tok_s,
         decode_interference=decode_interference,
         overhead_s=overhead_s,
-        block_size=block_size,
-        sliding_window=sliding_window,
         predicted_credit=predicted_credit,
     )
     return estimate_ttft(view, request, params).seconds

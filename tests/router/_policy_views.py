@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from beamserve.kvwire.geometry import KVGeometry
 from beamserve.router.types import Endpoint, PrefixHit, RouteRequest, WorkerLoad, WorkerView
 
 
@@ -22,6 +23,7 @@ def view(
     scraped_age_s: float | None = None,
     predicted: int = 0,
     block_size: int = 64,
+    sliding_window: int = 512,
 ) -> WorkerView:
     return WorkerView(
         endpoint=Endpoint(
@@ -30,7 +32,6 @@ def view(
             role=role,  # type: ignore[arg-type]
             revision=revision,
             kv_layout=kv_layout,
-            block_size=block_size,
         ),
         load=WorkerLoad(
             prefill_tokens=prefill,
@@ -42,6 +43,7 @@ def view(
         ),
         hit=PrefixHit(full_blocks=blocks, window_ok=window_ok, predicted_blocks=predicted),
         warm=warm,
+        geometry=KVGeometry.of(block_size, sliding_window),
     )
 
 

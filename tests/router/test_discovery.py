@@ -43,11 +43,12 @@ def test_spec_parsing_fills_defaults_and_kv_ports() -> None:
 @pytest.mark.parametrize(
     ("specs", "needle"),
     [
-        ([{"url": "http://h:1", "rol": "decode"}], "unknown key 'rol'; valid keys: block_size"),
+        ([{"url": "http://h:1", "rol": "decode"}], "unknown key 'rol'; valid keys: engine, id"),
         ([{"url": "http://h:1", "role": "decoder"}], "[0]: role"),
         ([{"url": "h:1"}], "http(s)://host:port"),
         ([{"url": "http://h"}], "port included"),
-        ([{"url": "http://h:1", "block_size": 0}], "block_size"),
+        # the KV geometry is the worker's to report, not discovery's
+        ([{"url": "http://h:1", "block_size": 64}], "unknown key 'block_size'"),
         ([{"url": "http://h:1", "kv_events": 70000}], "out of range"),
         ({"url": "http://h:1"}, "expected a list"),
         (["http://h:1"], "expected an object"),
@@ -187,7 +188,7 @@ def test_endpoints_from_maps_labels_ports_and_readiness() -> None:
                 "beamserve.io/revision": "r7",
                 "beamserve.io/engine": "vllm",
             },
-            annotations={"beamserve.io/kv-layout": "nhd-bf16", "beamserve.io/block-size": "32"},
+            annotations={"beamserve.io/kv-layout": "nhd-bf16"},
         )
     ]
     slices = [
@@ -208,7 +209,7 @@ def test_endpoints_from_maps_labels_ports_and_readiness() -> None:
     assert dec0.url == "http://10.0.0.1:8000"
     assert dec0.kv_events == "tcp://10.0.0.1:5557" and dec0.kv_replay is None
     assert (dec0.role, dec0.pool, dec0.revision, dec0.engine) == ("decode", "main", "r7", "vllm")
-    assert (dec0.kv_layout, dec0.block_size) == ("nhd-bf16", 32)
+    assert (dec0.kv_layout, dec0.geometry) == ("nhd-bf16", None)
     labels = dict(dec0.labels)
     assert labels["kubernetes.io/service-name"] == "beam-decode"
     assert labels["kubernetes.io/hostname"] == "node-a"

@@ -185,7 +185,7 @@ def test_initial_sync_maps_services_and_ready_addresses(kube_cluster: Any) -> No
                 pool="main",
                 revision="r7",
                 engine="vllm",
-                annotations={"beamserve.io/kv-layout": "hma-v1", "beamserve.io/block-size": "32"},
+                annotations={"beamserve.io/kv-layout": "hma-v1"},
             )
             await api.service(
                 ns, "beam-prefill", role="prefill", revision="r7", engine="sglang", ports=("http",)
@@ -239,7 +239,6 @@ def test_initial_sync_maps_services_and_ready_addresses(kube_cluster: Any) -> No
                 kv_events=f"tcp://{ip}:5557",
                 kv_replay=f"tcp://{ip}:5558",
                 kv_layout="hma-v1",
-                block_size=32,
                 labels=tuple(sorted(decode_labels.items())),
             )
 

@@ -8,9 +8,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from beamserve.kvwire.geometry import KVGeometry
 from beamserve.router.facts import FactsBook, apply_facts, facts_from, probe_facts
 from beamserve.router.policy import pairs_with
 from beamserve.router.types import Endpoint
+from beamserve.workers.sim.profiles import get_profile
 
 from tests.conftest import SpawnWorker
 
@@ -93,3 +95,8 @@ def test_probe_against_real_workers(spawn_worker: SpawnWorker) -> None:
     assert s.api == "sglang" and s.disaggregation_mode == "prefill"
     assert s.bootstrap_port == sg.handshake_port
     assert gone is None
+    # each reports its KV geometry: 64-token pages, the sim profile's window, vLLM's hashes
+    # and events (on the SGLang surface too: the sim engine hashes as vLLM does)
+    window = get_profile("tiny-cpu").model.sliding_window
+    for f in (v, s):
+        assert f.geometry(KVGeometry.of(16, 512, "sglang")) == KVGeometry(64, window)

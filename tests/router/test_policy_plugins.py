@@ -11,6 +11,7 @@ from beamserve.router.policy import (
     KVUsageScorer,
     LoadScorer,
     MaxScorePicker,
+    PolicyConfigError,
     PrefixAffinityScorer,
     RandomWeightedPicker,
     RoleFilter,
@@ -94,11 +95,19 @@ def test_prefix_affinity_partial_hit_recomputes_window_tail() -> None:
     assert s["b"] == 0.0
 
 
-def test_prefix_affinity_params_block_size_window_predicted() -> None:
-    scorer = PrefixAffinityScorer(block_size=16, sliding_window=100, predicted_credit=0.5)
+def test_prefix_affinity_prices_with_each_workers_geometry_and_credit() -> None:
+    scorer = PrefixAffinityScorer(predicted_credit=0.5)
     # 10 blocks, 4 predicted at half credit → 8 blocks × 16 = 128, partial → 28.
-    v = view("a", blocks=10, window_ok=False, predicted=4)
-    assert scorer.score(request(1000), [v])["a"] == pytest.approx(28 / 1000)
+    v = view("a", blocks=10, window_ok=False, predicted=4, block_size=16, sliding_window=100)
+    # the same hit on a worker of block 64, window 512: 8 × 64 = 512, partial → 0.
+    w = view("b", blocks=10, window_ok=False, predicted=4)
+    s = scorer.score(request(1000), [v, w])
+    assert s == {"a": pytest.approx(28 / 1000), "b": 0.0}
+
+
+def test_geometry_is_no_scorer_parameter() -> None:
+    with pytest.raises(PolicyConfigError, match="valid parameters: predicted_credit"):
+        PrefixAffinityScorer.from_params({"sliding_window": 128})
 
 
 def test_prefix_affinity_caps_at_prompt_and_zero_prompt() -> None:
@@ -262,6 +271,11 @@ def test_ttft_estimate_hand_computed() -> None:
 def test_ttft_partial_hit_pays_for_the_window_tail() -> None:
     full = view("a", blocks=64, window_ok=True)
     part = view("b", blocks=64, window_ok=False)
-    tf = estimate_ttft_s(full, request(10000), prefill_tok_s=1000, sliding_window=512)
-    tp = estimate_ttft_s(part, request(10000), prefill_tok_s=1000, sliding_window=512)
+    tf = estimate_ttft_s(full, request(10000), prefill_tok_s=1000)
+    tp = estimate_ttft_s(part, request(10000), prefill_tok_s=1000)
     assert tp - tf == pytest.approx(0.512)
+    # the window is the worker's own (its geometry), not a policy parameter
+    part128 = view("c", blocks=64, window_ok=False, sliding_window=128)
+    assert estimate_ttft_s(part128, request(10000), prefill_tok_s=1000) - tf == pytest.approx(
+        0.128
+    )

@@ -19,13 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import SpawnWorker, WorkerProc
 
 # The sim's tiny-cpu profile keeps a 128-token window (the tiny checkpoint only lends its
-# tokenizer), so the router is told the engine's window.
+# tokenizer): the workers report it (`/v1/models`), or the router is told it.
 SIM_WINDOW = get_profile("tiny-cpu").model.sliding_window
 SYSTEM = "You are a coding agent. " + " ".join(f"rule{i}" for i in range(300))
 
 
 def spec(w: WorkerProc, role: str = "both", **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"url": w.url, "role": role, "engine": "sim", "block_size": 64}
+    out: dict[str, Any] = {"url": w.url, "role": role, "engine": "sim"}
     if w.info.get("kv_events"):
         out["kv_events"] = w.info["kv_events"]
         out["kv_replay"] = w.info["kv_replay"]
@@ -53,10 +53,14 @@ def pool(spawn_worker: SpawnWorker, tiny_checkpoint: Path) -> tuple[WorkerProc, 
             "tcp://127.0.0.1:0", "--kv-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
     workers = [spawn_worker(*args) for _ in range(2)]
     router = spawn_worker(
-        "--endpoints", json.dumps([spec(w) for w in workers]),
-        "--tokenizer", str(tiny_checkpoint), "--scrape-interval-s", "0.5",
-        "--sliding-window", str(SIM_WINDOW), command="router",
-    )  # fmt: skip
+        "--endpoints",
+        json.dumps([spec(w) for w in workers]),
+        "--tokenizer",
+        str(tiny_checkpoint),
+        "--scrape-interval-s",
+        "0.5",
+        command="router",
+    )  # fmt: skip  (no --sliding-window: each worker reports its own window)
     return router, workers
 
 
@@ -241,10 +245,10 @@ def test_ref_engine_disaggregated_through_the_router(
     p = spawn_worker("--engine", "ref", "--role", "prefill", "--model", m, "--tp", "2",
                      "--kv-events-endpoint", "tcp://127.0.0.1:0")  # fmt: skip
     d = spawn_worker("--engine", "ref", "--role", "decode", "--model", m, "--tp", "1")
-    ref = {"engine": "ref", "block_size": 16}
+    ref = {"engine": "ref"}  # the ref workers report their 16-token pages themselves
     router = spawn_worker(
         "--endpoints", json.dumps([spec(p, "prefill", **ref), spec(d, "decode", **ref)]),
-        "--tokenizer", m, "--block-size", "16",
+        "--tokenizer", m,
         "--disaggregation", json.dumps({"min_uncached_tokens": 16, "require": "either"}),
         command="router",
     )  # fmt: skip

@@ -64,6 +64,21 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     )
 
 
+def kv_geometry_report(page_size: int, info: dict[str, Any]) -> dict[str, Any]:
+    """What this worker tells a router about its KV geometry (`beamserve.kvwire.geometry`), as
+    extra fields of its `/v1/models` entry and of `/server_info`: the block size it caches and
+    hashes in, the sliding window it runs (the checkpoint's config.json), the hash chain of
+    its block hashes and its KV-event wire format (vLLM's, whatever its HTTP surface: the
+    engines hash and publish as vLLM does)."""
+    out: dict[str, Any] = {"block_size": page_size}
+    window = info.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window >= 0:
+        out["sliding_window"] = window
+    out["kv_hash_scheme"] = "vllm"
+    out["kv_event_format"] = "vllm"
+    return out
+
+
 def _int_field(body: dict[str, Any], name: str, default: int | None, low: int = 1) -> int | None:
     v = body.get(name, default)
     if v is None:
@@ -133,8 +148,10 @@ def build_worker_app(
     app.state.backend = backend
     app.state.metrics = metrics
     started = int(time.time())
-    capacity = int(backend.server_info().get("max_total_num_tokens") or DEFAULT_MAX_MODEL_LEN)
+    info = backend.server_info()
+    capacity = int(info.get("max_total_num_tokens") or DEFAULT_MAX_MODEL_LEN)
     limit = max_model_len or min(capacity, DEFAULT_MAX_MODEL_LEN)
+    geometry = kv_geometry_report(backend.page_size, info)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -178,6 +195,7 @@ def build_worker_app(
                     "root": served_model_name,
                     "parent": None,
                     "max_model_len": limit,
+                    **geometry,
                 }
             ],
         }
@@ -452,6 +470,7 @@ def _add_sglang_routes(
             "tokenizer_path": model,
             "tp_size": backend.tp_size,
             "dp_size": 1,
+            **kv_geometry_report(backend.page_size, info),
             "page_size": backend.page_size,
             "disaggregation_mode": mode,
             "disaggregation_bootstrap_port": port,

@@ -29,6 +29,7 @@ import httpx
 import structlog
 from beamserve.kv_transfer.topology import RequestPages
 from beamserve.kvwire.codec import Codec
+from beamserve.kvwire.geometry import window_of_config
 from beamserve.workers.kv_events import KVEventPublisher
 from beamserve.workers.ref.engine import RefBeam
 from beamserve.workers.ref.worker import DecodeWorker, PoolSpec, PrefillWorker
@@ -254,6 +255,7 @@ class RefBackend:
             "engine": "ref",
             "tp_size": self.tp_size,
             "page_size": self.page_size,
+            "sliding_window": window_of_config(self.model_dir),
             "max_total_num_tokens": self._pool.full_pages * self.page_size,
             "max_running_requests": 1,
             "handshake_url": self.handshake_url,
