@@ -7,12 +7,16 @@ tokens a hit of ``k`` blocks saves), and the KV-event subscriber (which wire for
 
     KVGeometry(block_size=64, sliding_window=512, hash_scheme="vllm", event_format="vllm")
 
-| field | meaning | where a worker reports it |
-|---|---|---|
-| `block_size` | tokens per KV block (vLLM's block size, SGLang's page size) | SGLang ``/server_info`` `page_size`; ``/v1/models`` `block_size` (our workers); `BlockStored.block_size` |
-| `sliding_window` | tokens a sliding-window layer keeps (0: no sliding layers) | ``/v1/models`` `sliding_window`; `BlockStored.kv_cache_spec_sliding_window`; config.json `sliding_window` |
-| `hash_scheme` | the block-hash chain: ``vllm`` (chained sha256) or ``sglang`` (page sha256) | the API surface (SGLang's ``/server_info`` → ``sglang``) |
-| `event_format` | the KV-event wire format: ``vllm`` or ``sglang`` | as `hash_scheme` |
+- `block_size`: tokens per KV block (vLLM's block size, SGLang's page size). Reported as
+  SGLang's ``/server_info`` `page_size`, or `block_size` in a beamserve worker's ``/v1/models``
+  entry.
+- `sliding_window`: tokens a sliding-window layer keeps (0: no sliding layers; config.json
+  `sliding_window`). Reported as `sliding_window` (either answer) or as the
+  `kv_cache_spec_sliding_window` of the worker's `BlockStored` events.
+- `hash_scheme`: the block-hash chain, ``vllm`` (chained sha256) or ``sglang`` (page sha256);
+  `kv_hash_scheme` in the answers, else ``sglang`` on SGLang's surface.
+- `event_format`: the KV-event wire format, ``vllm`` or ``sglang``; `kv_event_format`, else as
+  `hash_scheme`.
 
 A worker's own report wins over the router's flags (`--block-size`, `--sliding-window`,
 `--hash-scheme`), which are only the default for workers that report nothing. Values are
