@@ -22,7 +22,7 @@ DEBS := libfabric1 redis-server haproxy
 PYTEST_ARGS ?=
 
 .PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route peers \
-	bench-agentic clean
+	bench-agentic clean crd
 
 install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
@@ -89,6 +89,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	rm -rf build/lint-site && $(PIP) install -q --no-deps --no-build-isolation --target build/lint-site .
 	cd build && MYPYPATH=lint-site ../$(VENV)/bin/mypy -p beamserve
+
+# The BeamDeployment CRD, generated from operator/api.py (tests/operator fail on drift).
+crd:
+	$(VENV)/bin/beamserve crd > manifests/crd.yaml
+	cp manifests/crd.yaml charts/beamserve/crds/beamdeployments.beamserve.io.yaml
 
 bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     router_cli.add_router(sub)
     _add_sidecar(sub)
+
+    from beamserve.operator import cli as operator_cli  # parsers only
+
+    operator_cli.add_operator_commands(sub)
     return parser
 
 
@@ -184,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.workers.server.cli import worker_main
 
         return worker_main(args)
+    if args.command in ("validate", "crd"):
+        from beamserve.operator.cli import operator_main
+
+        return operator_main(args)
     if args.command == "check" and args.check == "disagg":
         from beamserve.workers.ref.cli import check_disagg_main
 
