@@ -40,9 +40,10 @@ requests); one that leaves mid-stream closes the decode stream.
 A malformed header value → 400 in the client API's error shape (Anthropic's on `/v1/messages`,
 else OpenAI's), naming the header and the expected ``host:port`` form.
 
-`/metrics` is the sidecar's own: `beamserve_sidecar_requests_total{mode}` (`passthrough`,
-`disaggregated`, `colocated`, `rejected`), `beamserve_sidecar_pd_fallbacks_total{reason}`,
-`beamserve_sidecar_disaggregated_total{style}`. The decode worker's metrics stay on its port.
+`/metrics` is the decode worker's exposition (so a router or Prometheus scraping the pod reads
+its load metrics unchanged) followed by the sidecar's own: `beamserve_sidecar_requests_total
+{mode}` (`passthrough`, `disaggregated`, `colocated`, `rejected`),
+`beamserve_sidecar_pd_fallbacks_total{reason}`, `beamserve_sidecar_disaggregated_total{style}`.
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ class Sidecar:
     async def handle(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
-            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+            return Response(await self._metrics_text(), media_type="text/plain; version=0.0.4")
         client_api = _CLIENT_APIS.get(path)
         dialect: api_errors.ErrorDialect = "anthropic" if client_api == "messages" else "openai"
         value = request.headers.get(PREFILLER_HEADER)
@@ -341,6 +342,20 @@ class Sidecar:
         except APIError as err:
             err = err.for_api(dialect)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+    async def _metrics_text(self) -> bytes:
+        """The decode worker's exposition (what a router or Prometheus scraping this pod's
+        port expects: its load metrics) followed by the sidecar's own families."""
+        own = self.metrics.render()
+        t = aiohttp.ClientTimeout(total=2.0, connect=self.config.connect_timeout_s)
+        try:
+            async with self.upstreams.http.get(self.decode_url + "/metrics", timeout=t) as r:
+                if r.status == 200:
+                    worker = await r.read()
+                    return worker + (b"" if worker.endswith(b"\n") or not worker else b"\n") + own
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        return own
 
     # --- colocated: the request as it came --------------------------------------------------------
     async def _colocated(

@@ -7,6 +7,10 @@ worker, and answers with the picked `ip:port` twice, as the protocol requires, w
 * request header `x-gateway-destination-endpoint: ip:port` (set, overwriting a client's), and
 * dynamic metadata `{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port"}}`.
 
+A disaggregated pick also sets `x-prefiller-host-port: ip:port` (the prefill worker); the
+decode pod's `beamserve sidecar` (`router/sidecar.py`) runs the prefill leg there — a decode
+worker without one ignores the header and serves the request colocated.
+
 Fallbacks go in the same value, comma-separated (`ip:port,ip:port`): the data plane tries them
 in order. When no endpoint fits the router answers an `ImmediateResponse` with 503; when flow
 control sheds the request, 429 (both with `Retry-After` when known and a JSON error body in the

@@ -209,6 +209,8 @@ def test_without_the_header_the_request_passes_through(
     assert pod.prompt_tokens(pod.prefill) == 0  # the prefill worker saw nothing
     assert pod.prompt_tokens(pod.decode) > 500 and metric(pod.decode.url, TRANSFERS) == 0
     assert metric(pod.sidecar.url, "beamserve_sidecar_requests_total", mode="passthrough") == 3
+    # its /metrics is the decode worker's (a router scraping the pod reads its load), plus its own
+    assert pod.prompt_tokens(pod.sidecar) == pod.prompt_tokens(pod.decode)
 
 
 def test_a_malformed_header_is_a_400_in_the_clients_shape(spawn_worker: SpawnWorker) -> None:
@@ -323,9 +325,11 @@ def test_the_pickers_header_sent_on_as_envoy_would_disaggregates(
     spawn_worker: SpawnWorker, style: str
 ) -> None:
     pod = spawn_pod(spawn_worker, style)
+    # As in a pod: the decode endpoint the router discovers is the sidecar's port (the router
+    # probes and scrapes the decode worker through it).
     specs = [
         {"url": pod.prefill.url, "id": "prefill-0", "role": "prefill"},
-        {"url": pod.decode.url, "id": "decode-0", "role": "decode"},
+        {"url": pod.sidecar.url, "id": "decode-0", "role": "decode"},
     ]
     router = spawn_worker(
         "--endpoints", json.dumps(specs), "--grpc-port", "0",
@@ -339,14 +343,15 @@ def test_the_pickers_header_sent_on_as_envoy_would_disaggregates(
     finally:
         channel.close()
     picked = next(set_headers(r) for r in resps if r.HasField("request_headers"))
-    assert picked["x-gateway-destination-endpoint"] == address(pod.decode)
+    destination = picked["x-gateway-destination-endpoint"]
+    assert destination == address(pod.sidecar)
     assert picked[HEADER] == address(pod.prefill)
-    # Envoy: the body the picker streamed back, to the picked pod (its sidecar), with the
-    # headers the picker set.
+    # Envoy: the body the picker streamed back, to the picked endpoint, with the headers the
+    # picker set.
     forwarded = b"".join(s.body for s in streamed(resps) if s.body)
     assert json.loads(forwarded) == json.loads(body)
     r = httpx.post(
-        pod.sidecar.url + "/v1/chat/completions",
+        f"http://{destination}/v1/chat/completions",
         content=forwarded,
         headers={"content-type": "application/json", **picked},
         timeout=60,
