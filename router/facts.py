@@ -132,11 +132,9 @@ def facts_from(
     def reported(key: str) -> Any:
         return info[key] if info.get(key) is not None else first.get(key)
 
-    geometry = {
-        "sliding_window": _window(reported("sliding_window")),
-        "hash_scheme": _scheme(reported("kv_hash_scheme")),
-        "event_format": _scheme(reported("kv_event_format")),
-    }
+    window = _window(reported("sliding_window"))
+    scheme = _scheme(reported("kv_hash_scheme"))
+    events = _scheme(reported("kv_event_format"))
     block_size = _positive_int(first.get("block_size"))
     if isinstance(server_info, Mapping) and "disaggregation_mode" in server_info:
         mode = str(server_info.get("disaggregation_mode") or "null")
@@ -148,14 +146,18 @@ def facts_from(
             bootstrap_port=_positive_int(server_info.get("disaggregation_bootstrap_port")),
             page_size=_positive_int(server_info.get("page_size")) or block_size,
             served_models=served,
-            **geometry,
+            sliding_window=window,
+            hash_scheme=scheme,
+            event_format=events,
         )
     return WorkerFacts(
         api="vllm",
         max_model_len=min(lens) if lens else None,
         page_size=block_size,
         served_models=served,
-        **geometry,
+        sliding_window=window,
+        hash_scheme=scheme,
+        event_format=events,
     )
 
 
