@@ -255,9 +255,9 @@ class RoutingCore:
         if decision is None:
             return None
         self.loads.succeeded(decision.decode.id)
-        if not d.request.session_id:
-            return None
         r = d.request
+        if not r.session_id:
+            return None
         return SessionBinding(
             r.session_id,
             decision.decode.id,
