@@ -50,6 +50,7 @@ first token arrives, so the foreign part looks smaller by what had been computed
 |---|---|---|
 | `stale_after_s` | ``2.0`` | scrapes older than this add nothing (own book only) |
 | `mean_weight` | ``0.05`` | EWMA weight of one booking in the per-request means |
+| `combine_scrape` | ``True`` | False: own book only, scrapes as raw as before (for comparison) |
 
 Health: a circuit breaker per worker. `failure_threshold` consecutive failures (connection
 errors, 5xx before the first byte, failed health checks) open it for `open_s` seconds; then one
@@ -152,6 +153,7 @@ class LoadParams:
 
     stale_after_s: float = 2.0
     mean_weight: float = 0.05
+    combine_scrape: bool = True
 
 
 @dataclass
@@ -344,7 +346,9 @@ class LoadBook:
             else ScrapedCounts(w.queue_len, w.running, w.kv_usage, w.queued_prefill_tokens),
             w.at_scrape,
             age,
-            stale_after_s=self.params.stale_after_s,
+            # not combining: every scrape counts as stale here (consumers still read the raw
+            # queue length and KV usage by their age, as before effective load existed)
+            stale_after_s=self.params.stale_after_s if self.params.combine_scrape else -1.0,
             prefill_per_request=self.prefill_per_request,
             context_per_request=self.context_per_request,
         )

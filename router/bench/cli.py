@@ -83,6 +83,12 @@ def add_bench_route(bench_sub: Any) -> argparse.ArgumentParser:
         "shared session store), once per N; with 1 and more: goals of N against 1",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the replica draw")
+    p.add_argument(
+        "--own-book-only",
+        action="store_true",
+        help="replicas route on their own in-flight book only, ignoring what the scrapes say "
+        "about the other replicas' work (the behaviour before effective load; for comparison)",
+    )
     return p
 
 
@@ -135,6 +141,7 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
             kv_event_lag_s=args.kv_event_lag_s,
             flow=not args.no_flow,
             seed=args.seed,
+            combine_scrape=not args.own_book_only,
         )
     except (TraceError, ReplayError) as exc:
         console.print(f"[red]{exc}")

@@ -75,7 +75,7 @@ from beamserve.router.flow import (
     Ticket,
 )
 from beamserve.router.index.prefix_index import PrefixIndex
-from beamserve.router.load import QUEUED_PREFILL_METRICS, LoadBook
+from beamserve.router.load import QUEUED_PREFILL_METRICS, LoadBook, LoadParams
 from beamserve.router.policy import RoutingPolicy, build_policy
 from beamserve.router.sessions import MemorySessionStore
 from beamserve.router.types import Band, Endpoint, RouteRequest
@@ -117,6 +117,7 @@ class ReplayConfig:
     | `flow` | ``True`` | admit through the `FlowController` (False: dispatch at once) |
     | `router_replicas` | ``1`` | independent router replicas, requests spread at random |
     | `seed` | ``0`` | seed of the replica draw |
+    | `combine_scrape` | ``True`` | False: each replica routes on its own book only (ablation) |
     | `flow_config` | `FlowConfig()` | bands, queue bounds, TTLs |
     | `saturation` | `SaturationConfig()` | the pool saturation detector |
     """
@@ -133,6 +134,7 @@ class ReplayConfig:
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
     router_replicas: int = 1
     seed: int = 0
+    combine_scrape: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -332,7 +334,7 @@ class Replay:
         core = RoutingCore(
             make_policy(self.policy_name, cfg.profile),
             index=index,
-            loads=LoadBook(clock=now),
+            loads=LoadBook(clock=now, params=LoadParams(combine_scrape=cfg.combine_scrape)),
             config=CoreConfig(
                 geometry=KVGeometry.of(INDEX_BLOCK_SIZE, sliding_window),
                 predict_ttl_s=cfg.predict_ttl_s,
@@ -604,5 +606,6 @@ def describe(config: ReplayConfig) -> dict[str, Any]:
         "session_interval_s": config.session_interval_s,
         "flow": config.flow,
         "router_replicas": config.router_replicas,
+        "combine_scrape": config.combine_scrape,
         "beamserve_prefill_tok_s": round(calibrated_prefill_tok_s(config.profile)),
     }

@@ -178,3 +178,11 @@ def test_the_sim_exports_queued_prefill_tokens_and_the_scrape_reads_them() -> No
     assert load_samples(text)[QUEUED_PREFILL_TOKENS] == 77.0
     none = WorkerMetrics("vllm", "beam", WorkerStats, bool).render().decode()
     assert QUEUED_PREFILL_TOKENS not in none  # an engine that cannot tell exports nothing
+
+
+def test_without_combining_a_replica_routes_on_its_own_book() -> None:
+    book = LoadBook(clock=lambda: 0.0, params=LoadParams(combine_scrape=False))
+    book.start("w", uncached_tokens=1000, context_tokens=1200)
+    book.scraped("w", {"vllm:num_requests_waiting": 4.0, QUEUED_PREFILL_TOKENS: 9000.0})
+    ld = book.load("w")
+    assert (ld.effective_prefill_tokens, ld.queue_len, ld.scraped_age_s) == (1000, 4, 0.0)
