@@ -115,7 +115,8 @@ def validate_update(old: Any, new: Any) -> list[Violation]:
 def parse_spec(raw: Any) -> tuple[BeamDeploymentSpec | None, list[Violation]]:
     """The spec, or None and a violation per structural problem (path, what, fix)."""
     try:
-        return BeamDeploymentSpec.model_validate(raw), []
+        # JSON names only (what the API server keeps): `attention_dp` is an unknown field here
+        return BeamDeploymentSpec.model_validate(raw, by_alias=True, by_name=False), []
     except ValidationError as exc:
         return None, _explain(exc)
 

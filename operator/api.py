@@ -176,8 +176,9 @@ class PoolPorts(_Model):
     http: Port = 8000
     kv_events: Port = 5557
     """ZMQ PUB endpoint of KV events (`kv-events`; vLLM adds the attention-DP rank)."""
-    kv_replay: Port = 5558
-    """ZMQ ROUTER replay endpoint (`kv-replay`; vLLM adds the attention-DP rank)."""
+    kv_replay: Port = 5800
+    """ZMQ ROUTER replay endpoint (`kv-replay`; vLLM adds the attention-DP rank, so the default
+    leaves room for the ranks of `kvEvents` and `sideChannel` below it)."""
     bootstrap: Port = 8998
     """SGLang's bootstrap server (prefill), vLLM Mooncake's bootstrap, sim/ref KV handshake."""
     side_channel: Port = 5600

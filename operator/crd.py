@@ -289,7 +289,8 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], field: str | None) -
             node["description"] = rest["description"]
     if "const" in node:
         node["enum"] = [node.pop("const")]
-    if "exclusiveMinimum" in node:
+    if "exclusiveMinimum" in node and not isinstance(node["exclusiveMinimum"], bool):
+        # JSON Schema 2020's number → OpenAPI v3's boolean next to `minimum`
         node["minimum"] = node.pop("exclusiveMinimum")
         node["exclusiveMinimum"] = True
     kind = node.get("type")
