@@ -57,7 +57,7 @@ def test_minimal_spec_takes_the_documented_defaults() -> None:
 @pytest.mark.parametrize(
     ("path", "where"),
     [
-        ("replicas", "replicas: unknown key; valid keys here are ['chunked_prefill_size'"),
+        ("replicas", "replicas: unknown key; valid keys here are ['attention_backend'"),
         ("model.revision", "model.revision: unknown key; valid keys here are ['fingerprint'"),
         ("parallel.pp_size", "parallel.pp_size: unknown key; valid keys here are ['dp_attention'"),
         ("kv_events.hwm", "kv_events.hwm: unknown key; valid keys here are ['endpoint'"),

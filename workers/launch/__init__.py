@@ -3,6 +3,8 @@
     spec = PoolSpec.parse(yaml.safe_load(...))       # strict boundary model
     check_pair_compat(prefill_spec, decode_spec)     # before launch
     cmd = render(spec)                               # pure: argv + env + probes
+    cmd = render(spec, node="worker")                # multi-node: a LeaderWorkerSet worker
+    seed = render_sglang_production(spec)            # the seeds' production command shape
     code = await EngineSupervisor(cmd).run()         # child process, signals, readiness
 
 See docs/engines.md for the rendered commands and what is verified against which parser.
@@ -20,7 +22,13 @@ from beamserve.workers.launch.errors import (
     PairCompatError,
     PoolSpecError,
 )
-from beamserve.workers.launch.sglang import render_sglang
+from beamserve.workers.launch.hardware import ATTENTION_BACKENDS, attention_backend_for
+from beamserve.workers.launch.sglang import (
+    PRODUCTION_FLAGS,
+    NodeRole,
+    render_sglang,
+    render_sglang_production,
+)
 from beamserve.workers.launch.spec import (
     KVCacheSpec,
     KVEventsSpec,
@@ -35,12 +43,17 @@ from beamserve.workers.launch.supervisor import EngineSupervisor, SupervisorOpti
 from beamserve.workers.launch.vllm import render_vllm
 
 
-def render(spec: PoolSpec) -> LaunchCommand:
-    """The command for `spec`'s engine."""
-    return render_sglang(spec) if spec.engine == "sglang" else render_vllm(spec)
+def render(spec: PoolSpec, *, node: NodeRole = "leader") -> LaunchCommand:
+    """The command for `spec`'s engine; `node="worker"` for the non-leader pods of a
+    multi-node instance (a LeaderWorkerSet's worker template)."""
+    if spec.engine == "sglang":
+        return render_sglang(spec, node=node)
+    return render_vllm(spec, node=node)
 
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "PRODUCTION_FLAGS",
     "EngineEnvError",
     "EngineExitedError",
     "EngineNotReadyError",
@@ -50,6 +63,7 @@ __all__ = [
     "LaunchCommand",
     "LaunchError",
     "ModelSource",
+    "NodeRole",
     "PairCompatError",
     "Parallelism",
     "ParserSpec",
@@ -58,8 +72,10 @@ __all__ = [
     "SpeculativeSpec",
     "SupervisorOptions",
     "TransferSpec",
+    "attention_backend_for",
     "check_pair_compat",
     "render",
     "render_sglang",
+    "render_sglang_production",
     "render_vllm",
 ]

@@ -14,6 +14,13 @@ Parallelism is described once for both engines:
 SGLang takes these as `--tp-size`, `--attn-dp-size`, `--ep-size`; vLLM as
 `-tp tp_size/dp_attention`, `--data-parallel-size dp_attention`, `--enable-expert-parallel`
 (vLLM's EP size is always TP × DP, so vLLM needs `ep_size` 1 or `tp_size`).
+
+`parallel.nodes` spreads one engine instance over several nodes (a LeaderWorkerSet group):
+each node runs the same command, with its rank and the leader's address taken from the
+environment as `$(LWS_WORKER_INDEX)` and `$(LWS_LEADER_ADDRESS)` (see `command.py`).
+
+Rules that mirror the engines' own cross-field checks (the contract tests prove each engine
+refuses the same thing) name the engine code they come from in `_engine_problems`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ TransferBackend = Literal["nixl", "mooncake"]
 KVDtypeName = Literal["bf16", "fp8_e4m3"]
 PageSize = Literal[16, 32, 64]
 Port = Annotated[int, Field(ge=1, le=65535)]
+GPUModel = Literal["gb300", "gb200", "b300", "b200", "h200", "h100"]
+"""GPU models the attention-backend table knows (`beamserve.workers.launch.hardware`)."""
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)$")
@@ -73,6 +82,13 @@ class Parallelism(_Strict):
     tp_size: Annotated[int, Field(ge=1, le=64)] = 1
     ep_size: Annotated[int, Field(ge=1, le=64)] = 1
     dp_attention: Annotated[int, Field(ge=1, le=64)] = 1
+    nodes: Annotated[int, Field(ge=1, le=16)] = 1
+    """Nodes one engine instance spans (`tp_size` GPUs in all, `tp_size / nodes` per node);
+    above 1 the pool runs as a LeaderWorkerSet (SGLang `--nnodes`, vLLM `--nnodes`)."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tp_size // self.nodes
 
     @property
     def attention_tp(self) -> int:
@@ -142,6 +158,12 @@ class SpeculativeSpec(_Strict):
     draft_model_path: Annotated[str, Field(min_length=1)]
     block_size: Annotated[int, Field(ge=2, le=64)] = 8
     """Verify-window length in tokens: 1 anchor + `block_size - 1` drafted tokens."""
+    draft_attention_backend: str | None = None
+    """Attention backend of the draft (SGLang `--speculative-draft-attention-backend`, vLLM
+    `speculative_config.attention_backend`); default: the engine's choice (the target's)."""
+    simulate_acceptance_length: Annotated[float, Field(gt=0)] | None = None
+    """Benchmark runs only: SGLang accepts this many tokens per step whatever the draft
+    proposes (`SGLANG_SIMULATE_ACC_LEN`; the seeds' runs use 4). SGLang only."""
 
 
 class PoolSpec(_Strict):
@@ -166,9 +188,65 @@ class PoolSpec(_Strict):
     """Environment variable that holds the pod IP (Kubernetes downward API,
     `fieldRef: status.podIP`); rendered as `$(POD_IP)` in the engine environment."""
 
+    # -- hardware and memory --------------------------------------------------------------
+    gpu: GPUModel | None = None
+    """The pool's GPU model: picks the attention backend per GPU generation when
+    `attention_backend` is unset (`hardware.ATTENTION_BACKENDS`)."""
+    attention_backend: str | None = None
+    """The engine's own backend name (SGLang `--attention-backend`, e.g. `trtllm_mha`, `fa3`;
+    vLLM `--attention-backend`, e.g. `FLASHINFER`, `FLASH_ATTN`); default: from `gpu`, else
+    the engine's choice."""
+    mem_fraction_static: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Fraction of GPU memory for weights + KV cache (SGLang `--mem-fraction-static`, vLLM
+    `--gpu-memory-utilization`)."""
+    unified_memory: bool = False
+    """GB200/GB300: one byte pool shared by full-attention KV and sliding-window state
+    (SGLang `--enable-unified-memory`; vLLM 0.33 has no equivalent)."""
+
+    # -- scheduling limits ----------------------------------------------------------------
+    max_running_requests: Annotated[int, Field(ge=1)] | None = None
+    """SGLang `--max-running-requests`, vLLM `--max-num-seqs`."""
+    cuda_graph_max_bs: Annotated[int, Field(ge=1)] | None = None
+    """Largest decode batch captured as a CUDA graph (SGLang `--cuda-graph-max-bs-decode`,
+    vLLM `--max-cudagraph-capture-size`)."""
+    prefill_decode_interval: Annotated[int, Field(ge=0)] | None = None
+    """Decode rounds after each prefill batch before the next prefill (SGLang
+    `--prefill-decode-interval`; vLLM has none)."""
+    tokenizer_worker_num: Annotated[int, Field(ge=1)] | None = None
+    """SGLang `--tokenizer-worker-num`; vLLM tokenizes in its API servers (only 1 renders)."""
+    cache_report: bool = False
+    """Report cached prompt tokens in `usage.prompt_tokens_details` (SGLang
+    `--enable-cache-report`, vLLM `--enable-prompt-tokens-details`)."""
+
+    # -- multi-node ranks -----------------------------------------------------------------
+    dist_init_port: Port = 39746
+    """Leader port the nodes of one instance rendezvous on (SGLang `--dist-init-addr
+    LEADER:PORT`, vLLM `--master-port`); used when `parallel.nodes` > 1."""
+    leader_address_env: str = "LWS_LEADER_ADDRESS"
+    """Variable holding the leader pod's address (set by LeaderWorkerSet)."""
+    node_rank_env: str = "LWS_WORKER_INDEX"
+    """Variable holding this pod's index in its group, 0 on the leader (LeaderWorkerSet)."""
+
+    env: dict[str, str] = {}
+    """Extra environment for the engine (e.g. benchmark switches); may not repeat a variable
+    the renderer sets."""
+
     @property
     def disaggregated(self) -> bool:
         return self.role != "both"
+
+    @property
+    def multinode(self) -> bool:
+        return self.parallel.nodes > 1
+
+    @property
+    def resolved_attention_backend(self) -> str | None:
+        """`attention_backend`, else the table's choice for `gpu`, else None (engine's)."""
+        from beamserve.workers.launch.hardware import attention_backend_for
+
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return None if self.gpu is None else attention_backend_for(self.engine, self.gpu)
 
     def topology(self) -> PoolTopology:
         """The KV-side view of this pool for `kv_transfer` (attention TP, page size, dtype)."""
@@ -251,7 +329,182 @@ def _engine_problems(s: PoolSpec) -> list[str]:
             "transfer.ib_device: only SGLang takes RDMA devices on the command line; for "
             "vLLM remove it and set UCX_NET_DEVICES in the pod"
         )
+    out += _node_problems(s)
+    out += _feature_problems(s)
+    out += _env_problems(s)
     return out
+
+
+def _node_problems(s: PoolSpec) -> list[str]:
+    out: list[str] = []
+    par = s.parallel
+    if par.tp_size % par.nodes:
+        # vLLM: create_engine_config ("`--nnodes` must evenly divide the total world size");
+        # SGLang splits the TP group evenly over the nodes as well
+        out.append(
+            f"parallel.nodes: {par.nodes} nodes cannot split tp_size {par.tp_size} evenly; "
+            f"choose nodes from {_divisors(par.tp_size)}"
+        )
+    for name in ("leader_address_env", "node_rank_env"):
+        if not _ENV_NAME.match(getattr(s, name)):
+            out.append(
+                f"{name}: {getattr(s, name)!r} is not an environment variable name; use "
+                "letters, digits and underscores (LeaderWorkerSet sets LWS_LEADER_ADDRESS "
+                "and LWS_WORKER_INDEX)"
+            )
+    if par.nodes > 1 and s.dist_init_port in _taken_ports(s):
+        out.append(
+            f"dist_init_port: port {s.dist_init_port} is already taken by "
+            f"{_taken_ports(s)[s.dist_init_port]}; pick another"
+        )
+    return out
+
+
+def _feature_problems(s: PoolSpec) -> list[str]:
+    from beamserve.workers.launch.hardware import (
+        SGLANG_DRAFT_ATTENTION_BACKENDS,
+        allowed_attention_backends,
+    )
+
+    out: list[str] = []
+    kv = s.kv_cache
+    allowed = allowed_attention_backends(s.engine)
+    if s.attention_backend is not None and _backend_name(s.engine, s.attention_backend) not in (
+        allowed
+    ):
+        out.append(
+            f"attention_backend: {s.attention_backend!r} is not a {s.engine} attention "
+            f"backend for Beam; choose one of {list(allowed)} (or set gpu and leave it unset)"
+        )
+    sp = s.speculative
+    if sp is not None and sp.draft_attention_backend is not None:
+        draft_ok = (
+            SGLANG_DRAFT_ATTENTION_BACKENDS
+            if s.engine == "sglang"
+            else allowed_attention_backends("vllm")
+        )
+        if _backend_name(s.engine, sp.draft_attention_backend) not in draft_ok:
+            out.append(
+                f"speculative.draft_attention_backend: {sp.draft_attention_backend!r} cannot "
+                f"run a {s.engine} DFlash draft (SGLang would silently fall back); choose one "
+                f"of {list(draft_ok)}"
+            )
+    if s.engine == "sglang" and kv.host_cache_gb > 0:
+        # sglang pd_disaggregation_hook: a decode server runs with the radix cache off, and
+        # kv_cache_hook.handle_cache_compatibility: "enable-hierarchical-cache and
+        # disable-radix-cache are mutually exclusive"
+        if s.role == "decode":
+            out.append(
+                "kv_cache.host_cache_gb: SGLang's decode pool runs without a radix cache, so "
+                "it cannot keep a hierarchical host cache; set it to 0 on the decode pool "
+                "(keep the host cache on the prefill pool)"
+            )
+        elif not kv.prefix_caching:
+            out.append(
+                "kv_cache.host_cache_gb: SGLang's hierarchical cache extends the radix "
+                "(prefix) cache; set kv_cache.prefix_caching to true or host_cache_gb to 0"
+            )
+    if s.unified_memory:
+        if s.engine == "vllm":
+            out.append(
+                "unified_memory: vLLM 0.33 has no unified KV memory pool; remove it "
+                "(or run the pool on SGLang)"
+            )
+        elif s.disaggregated:
+            # sglang kv_cache_hook.handle_unified_memory_pool
+            if s.transfer.backend != "mooncake":
+                out.append(
+                    "unified_memory: SGLang moves a unified pool between P/D pools only "
+                    f"over mooncake, not {s.transfer.backend}; set transfer.backend to "
+                    "mooncake or unified_memory to false"
+                )
+            elif sp is not None:
+                out.append(
+                    "unified_memory: SGLang's unified pool with P/D over mooncake does not "
+                    "support speculative decoding; remove speculative or unified_memory"
+                )
+    if s.engine == "vllm":
+        if s.prefill_decode_interval is not None:
+            out.append(
+                "prefill_decode_interval: vLLM 0.33 has no prefill/decode interval; remove it"
+            )
+        if s.tokenizer_worker_num not in (None, 1):
+            out.append(
+                "tokenizer_worker_num: vLLM 0.33 tokenizes in its API server processes and "
+                "has no tokenizer worker count; remove it"
+            )
+        if sp is not None and sp.simulate_acceptance_length is not None:
+            out.append(
+                "speculative.simulate_acceptance_length: only SGLang can simulate an "
+                "acceptance length (SGLANG_SIMULATE_ACC_LEN); remove it for vLLM"
+            )
+        if (
+            s.max_running_requests is not None
+            and s.chunked_prefill_size is not None
+            and s.chunked_prefill_size < s.max_running_requests
+        ):
+            # vllm SchedulerConfig: max_num_batched_tokens must be ≥ max_num_seqs
+            out.append(
+                f"chunked_prefill_size: vLLM needs at least max_running_requests "
+                f"({s.max_running_requests}) tokens per step; raise it to "
+                f"{_round_up(s.max_running_requests, kv.page_size)} or lower "
+                "max_running_requests"
+            )
+    return out
+
+
+# Variables the renderers set themselves (`env` may not repeat them), and the pod's own.
+RENDERED_ENV = frozenset(
+    {
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+        "SGLANG_HOST_IP",
+        "SGLANG_SIMULATE_ACC_LEN",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "VLLM_HOST_IP",
+        "VLLM_MOONCAKE_BOOTSTRAP_PORT",
+    }
+)
+
+
+def _env_problems(s: PoolSpec) -> list[str]:
+    out: list[str] = []
+    own = {s.pod_ip_env, s.leader_address_env, s.node_rank_env}
+    for key in s.env:
+        if not _ENV_NAME.match(key):
+            out.append(
+                f"env.{key}: not an environment variable name; use letters, digits and underscores"
+            )
+        elif key in RENDERED_ENV:
+            out.append(
+                f"env.{key}: the launcher sets it itself; remove it from env (use the "
+                "pool spec's own field)"
+            )
+        elif key in own:
+            out.append(
+                f"env.{key}: names the pod's own address/rank variable; the pod defines it "
+                "(downward API, LeaderWorkerSet), so remove it from env"
+            )
+    return out
+
+
+def _backend_name(engine: str, name: str) -> str:
+    """vLLM's backend names are enum members (upper case); its parser accepts either case."""
+    return name.upper() if engine == "vllm" else name
+
+
+def _taken_ports(s: PoolSpec) -> dict[int, str]:
+    """The HTTP and transfer ports `s` opens (KV-event sockets are checked on their own)."""
+    ports = {s.port: "port"}
+    if s.disaggregated:
+        t = s.transfer
+        if s.engine == "sglang" and s.role == "prefill":
+            ports.setdefault(t.bootstrap_port, "transfer.bootstrap_port")
+        if s.engine == "vllm" and t.backend == "nixl":
+            ports.setdefault(t.side_channel_port, "transfer.side_channel_port")
+        if s.engine == "vllm" and t.backend == "mooncake":
+            ports.setdefault(t.bootstrap_port, "transfer.bootstrap_port")
+    return ports
 
 
 def _explain(cls: type[BaseModel], exc: ValidationError) -> list[str]:
@@ -303,3 +556,7 @@ def _divisors(n: int) -> list[int]:
 
 def _round_to(value: int, unit: int) -> int:
     return max(unit, round(value / unit) * unit)
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit

@@ -54,7 +54,10 @@ class EngineSupervisor:
     ) -> None:
         self.command = command
         self.options = options or SupervisorOptions()
-        self._env = command.resolve_env(os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        self._env = command.resolve_env(environ)
+        # `$(NAME)` in argv (multi-node ranks), as kubelet would expand it in a pod
+        self._argv = command.resolve_argv(environ)
         self._stdout, self._stderr = stdout, stderr
         self._proc: asyncio.subprocess.Process | None = None
         self._ready = False
@@ -89,16 +92,20 @@ class EngineSupervisor:
         """Spawn the engine and start probing it. Returns once the process exists."""
         if self._proc is not None:
             raise RuntimeError("start: this supervisor already started its engine")
-        argv = self.command.argv
         self._proc = await asyncio.create_subprocess_exec(
-            *argv,
+            *self._argv,
             env=self._env,
             stdout=self._stdout,
             stderr=self._stderr,
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,
         )
-        self._probe_task = asyncio.create_task(self._probe_loop(), name="engine-readiness")
+        if self.command.serves_http:
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="engine-readiness")
+        else:
+            # a worker node of a multi-node instance: nothing to probe; running is all
+            self._ready = True
+            self._ever_ready.set()
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the engine first answers its readiness probe.

@@ -8,7 +8,7 @@ against the real vLLM 0.33.0 `serve` parser and `validate()` by
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from beamserve.workers.launch.command import LaunchCommand
 from beamserve.workers.launch.spec import PoolSpec
@@ -24,8 +24,16 @@ CONNECTOR = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 HOST_CACHE_CONNECTOR = "OffloadingConnector"
 
 
-def render_vllm(spec: PoolSpec, *, vllm: str = "vllm") -> LaunchCommand:
-    """The vLLM command line and environment for `spec` (which must name engine vllm)."""
+def render_vllm(
+    spec: PoolSpec, *, vllm: str = "vllm", node: Literal["leader", "worker"] = "leader"
+) -> LaunchCommand:
+    """The vLLM command line and environment for `spec` (which must name engine vllm).
+
+    Several nodes (`parallel.nodes` > 1) run as vLLM's multi-node TP/DP: every node gets
+    `--nnodes N --node-rank $(LWS_WORKER_INDEX) --master-addr $(LWS_LEADER_ADDRESS)
+    --master-port PORT`, and the worker nodes (`node="worker"`) also `--headless`: they run
+    engine cores only and serve no HTTP (vllm/entrypoints/cli/serve.py: run_headless).
+    """
     if spec.engine != "vllm":
         raise ValueError(f"engine: render_vllm got a {spec.engine} pool; use render_sglang")
     par, kv = spec.parallel, spec.kv_cache
@@ -37,6 +45,17 @@ def render_vllm(spec: PoolSpec, *, vllm: str = "vllm") -> LaunchCommand:
         argv += ["--data-parallel-size", str(par.dp_attention)]
     if par.ep_size > 1:
         argv += ["--enable-expert-parallel"]
+    if spec.multinode:
+        argv += ["--nnodes", str(par.nodes), "--node-rank", f"$({spec.node_rank_env})"]
+        argv += ["--master-addr", f"$({spec.leader_address_env})"]
+        argv += ["--master-port", str(spec.dist_init_port)]
+        if node == "worker":
+            argv += ["--headless"]
+    backend = spec.resolved_attention_backend
+    if backend is not None:
+        argv += ["--attention-backend", backend.upper()]
+    if spec.mem_fraction_static is not None:
+        argv += ["--gpu-memory-utilization", str(spec.mem_fraction_static)]
     quant = QUANTIZATION[spec.model.format]
     if quant is not None:
         argv += ["--quantization", quant]
@@ -47,6 +66,12 @@ def render_vllm(spec: PoolSpec, *, vllm: str = "vllm") -> LaunchCommand:
     if spec.chunked_prefill_size is not None:
         argv += ["--enable-chunked-prefill"]
         argv += ["--max-num-batched-tokens", str(spec.chunked_prefill_size)]
+    if spec.max_running_requests is not None:
+        argv += ["--max-num-seqs", str(spec.max_running_requests)]
+    if spec.cuda_graph_max_bs is not None:
+        argv += ["--max-cudagraph-capture-size", str(spec.cuda_graph_max_bs)]
+    if spec.cache_report:
+        argv += ["--enable-prompt-tokens-details"]
 
     env: dict[str, str] = {}
     transfer = kv_transfer_config(spec)
@@ -81,16 +106,24 @@ def render_vllm(spec: PoolSpec, *, vllm: str = "vllm") -> LaunchCommand:
         argv += ["--tool-call-parser", spec.parsers.tool_call, "--enable-auto-tool-choice"]
     if spec.speculative is not None:
         sp = spec.speculative
-        spec_cfg = {
+        spec_cfg: dict[str, Any] = {
             "method": SPECULATIVE_METHOD[sp.method],
             "model": sp.draft_model_path,
             # a DFlash block is 1 bonus token + N drafted ones
             # (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py: num_query_per_req)
             "num_speculative_tokens": sp.block_size - 1,
         }
+        if sp.draft_attention_backend is not None:
+            spec_cfg["attention_backend"] = sp.draft_attention_backend.upper()
         argv += ["--speculative-config", _json(spec_cfg)]
+    env.update(spec.env)
     return LaunchCommand(
-        argv=tuple(argv), env=env, port=spec.port, ready_path="/health", live_path="/health"
+        argv=tuple(argv),
+        env=env,
+        port=spec.port,
+        ready_path="/health",
+        live_path="/health",
+        serves_http=not (spec.multinode and node == "worker"),
     )
 
 
