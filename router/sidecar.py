@@ -8,29 +8,34 @@ request, and:
 
 - **without the header** passes it to the decode worker unchanged — any method and path, the
   body and the answer as bytes (SSE untouched), the worker's status and headers;
-- **with the header**, on the workers' own APIs (`/v1/chat/completions`, `/v1/completions`),
-  runs the prefill leg on the named worker and then the decode leg on the local one, handing
-  the KV over in the style both speak (`router.pd`, the code the router's HTTP door uses):
-  vLLM style — the prefill leg with `kv_transfer_params.do_remote_decode`, `max_tokens: 1`,
-  its answer's `kv_transfer_params` into the decode leg; SGLang style — both legs at once with
-  `bootstrap_host` / `bootstrap_port` / `bootstrap_room`.
+- **with the header**, on a client API call (`POST` `/v1/chat/completions`, `/v1/completions`,
+  `/v1/messages`, `/v1/responses`), runs the prefill leg on the named worker and then the
+  decode leg on the local one, handing the KV over in the style both speak (`router.pd`, the
+  code the router's HTTP door uses): vLLM style — the prefill leg with
+  `kv_transfer_params.do_remote_decode`, `max_tokens: 1`, its answer's `kv_transfer_params`
+  into the decode leg; SGLang style — both legs at once with `bootstrap_host` /
+  `bootstrap_port` / `bootstrap_room`. Chat and completions go to the workers as they came
+  and their answers come back as the worker gave them (SSE bytes untouched, but for the usage
+  chunk a client did not ask for); Anthropic and Responses calls are translated to chat and
+  back (`router.api`, as the router's HTTP door does), since the legs run on the workers' API.
 
 The styles are learned from the workers, never guessed (`router.facts`, as the router does):
 `/v1/models` and `/server_info` of the local decode worker (at start, again until it answers)
-and of each named prefill worker (cached `facts_ttl_s`). SGLang's `disaggregation_mode` says
-who sends and receives KV; the vLLM surface has no such report, so there the named worker is
-taken as the sender the picker chose and its prefill leg is the proof: a worker that does not
-send KV refuses the leg or answers without `kv_transfer_params`.
+and of each named prefill worker (cached `facts_ttl_s`, forgotten when its prefill leg fails).
+SGLang's `disaggregation_mode` says who sends and receives KV; the vLLM surface has no such
+report, so there the named worker is taken as the sender the picker chose and its prefill leg
+is the proof: a worker that does not send KV refuses the leg or answers without
+`kv_transfer_params`.
 
 Whenever the KV cannot be handed over the request is served colocated on the decode worker
-(the body passed through unchanged), counted in
+(chat and completions passed through unchanged, the others translated), counted in
 `beamserve_sidecar_pd_fallbacks_total{reason}` and logged (`sidecar.pd_fallback`, with the
 reason and the fix). Reasons (`FALLBACK_REASONS`): `prefill_unreachable` (its `/v1/models`
 did not answer), `decode_unprobed`, `same_worker`, `style_mismatch`, `not_a_sender`,
 `decode_not_a_receiver`, `no_bootstrap_port`, `incompatible`, `prefill_failed` (the vLLM
 prefill leg failed, timed out or was refused: the decode worker prefills), `sglang_prefill_failed`
 (the SGLang prefill leg failed: the decode worker recomputes after its own KV deadline),
-`unsupported_api` (a client API the workers do not speak, e.g. `/v1/messages`: passed through).
+`unsupported_api` (the header on anything but a client API call: passed through).
 
 Bounds: the prefill leg `prefill_timeout_s`; connecting `connect_timeout_s`; the decode leg's
 first byte, and any pause between its bytes, `first_byte_timeout_s`. A client that leaves before
@@ -65,9 +70,21 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 from beamserve.router.api import errors as api_errors
-from beamserve.router.api.convert import UpstreamCall, to_upstream
+from beamserve.router.api.convert import (
+    UpstreamCall,
+    to_anthropic_message,
+    to_responses_object,
+    to_upstream,
+)
 from beamserve.router.api.errors import APIError
-from beamserve.router.api.models import API_PATHS, ApiName, parse_request
+from beamserve.router.api.models import (
+    API_PATHS,
+    ApiName,
+    ParsedRequest,
+    ResponsesRequest,
+    parse_request,
+)
+from beamserve.router.api.sse import translator_for
 from beamserve.router.facts import WorkerFacts, apply_facts, probe_facts
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import (
@@ -118,11 +135,12 @@ _FIXES = {
     "prefill_failed": "the prefill leg failed or timed out; the decode worker prefilled locally",
     "sglang_prefill_failed": "the SGLang prefill leg failed; the decode worker recomputes after "
     "its KV deadline",
-    "unsupported_api": "the workers split only /v1/chat/completions and /v1/completions into "
-    "legs; this API was passed through to the decode worker",
+    "unsupported_api": "not a client API call (POST /v1/chat/completions, /v1/completions, "
+    "/v1/messages, /v1/responses): passed through to the decode worker",
 }
-# The APIs whose requests the workers serve as they are, so they split into two legs.
-PD_APIS: dict[str, ApiName] = {API_PATHS["chat"]: "chat", API_PATHS["completions"]: "completions"}
+# The client APIs the sidecar splits into legs; the workers speak the first two themselves
+# (their requests and answers pass as they are), the others are translated (`router.api`).
+WORKER_APIS: frozenset[ApiName] = frozenset({"chat", "completions"})
 _CLIENT_APIS: dict[str, ApiName] = {path: api for api, path in API_PATHS.items()}
 # Not forwarded in either direction (connection-level, or set by the HTTP client/server).
 _HOP_BY_HOP = frozenset(
@@ -335,7 +353,7 @@ class Sidecar:
             except BadPrefillerHeader as exc:
                 self.metrics.requests.labels("rejected").inc()
                 raise api_errors.invalid_request(None, str(exc), api=dialect) from exc
-            api = PD_APIS.get(path) if request.method == "POST" else None
+            api = client_api if request.method == "POST" else None
             if api is None:
                 return await self._colocated(request, dialect, "unsupported_api", addr, path)
             return await self._disaggregated(request, api, dialect, addr)
@@ -429,17 +447,23 @@ class Sidecar:
         addr: PrefillerAddress,
     ) -> Response:
         raw = await request.body()
-        call = to_upstream(parse_request(api, raw, self.config.max_body_bytes))
+        parsed = parse_request(api, raw, self.config.max_body_bytes)
+        turn = _Turn(api, dialect, parsed, to_upstream(parsed))
         decode, prefill = await asyncio.gather(self.decode_endpoint(), self.prefill_endpoint(addr))
         same = decode is not None and _address_of(decode) == (addr.host, addr.port)
         reason = handoff_refusal(prefill, decode, same_worker=same)
         if reason is not None or decode is None or prefill is None:
             reason = reason or "incompatible"
-            return await self._colocated(request, dialect, reason, addr, call.path, raw)
+            if api in WORKER_APIS:  # the workers speak it: the request as it came
+                return await self._colocated(request, dialect, reason, addr, turn.call.path, raw)
+            self._fallback(reason, addr, path=turn.call.path)
+            self.metrics.requests.labels("colocated").inc()
+            local = decode or self._decode_seed
+            return await _cancel_on_disconnect(request, self._decode_leg(turn, local, None))
         legs: list[asyncio.Task[Any]] = []
         try:
             answer, handed_over = await _cancel_on_disconnect(
-                request, self._legs(call, prefill, decode, addr, legs)
+                request, self._legs(turn, prefill, decode, addr, legs)
             )
         except BaseException:
             for t in legs:  # the SGLang prefill leg runs beside the decode leg: stop it too
@@ -454,7 +478,7 @@ class Sidecar:
 
     async def _legs(
         self,
-        call: UpstreamCall,
+        turn: _Turn,
         prefill: Endpoint,
         decode: Endpoint,
         addr: PrefillerAddress,
@@ -462,7 +486,7 @@ class Sidecar:
     ) -> tuple[Response, bool]:
         """Run the handoff: the answer, and whether the prefill ran on `prefill` (False: the
         vLLM prefill leg failed and the decode worker prefilled locally)."""
-        up = self.upstreams
+        up, call = self.upstreams, turn.call
         if prefill.handoff_style == "sglang":
             boot = sglang_bootstrap(prefill)
             leg = sglang_prefill_leg_body(call.body, boot)
@@ -470,15 +494,16 @@ class Sidecar:
             legs.append(task)
             self._background.add(task)
             task.add_done_callback(lambda t: self._sglang_prefill_done(t, addr, call.path))
-            return await self._decode_leg(call, decode, {**call.body, **boot}, task), True
+            return await self._decode_leg(turn, decode, {**call.body, **boot}, task), True
         try:
             params = await up.prefill_leg(prefill, call)
         except (UpstreamError, APIError) as err:
             # A worker that sends no KV refuses the leg (4xx) or answers without the params.
             self._fallback("prefill_failed", addr, path=call.path, error=str(err))
-            return await self._decode_leg(call, decode, None), False
+            self._prefill_facts.pop(addr.address, None)  # ask it again next time
+            return await self._decode_leg(turn, decode, None), False
         body = {**call.body, "kv_transfer_params": params}
-        return await self._decode_leg(call, decode, body), True
+        return await self._decode_leg(turn, decode, body), True
 
     def _sglang_prefill_done(
         self, task: asyncio.Task[Any], addr: PrefillerAddress, path: str
@@ -488,32 +513,55 @@ class Sidecar:
             return
         if (exc := task.exception()) is not None:
             self._fallback("sglang_prefill_failed", addr, path=path, error=str(exc))
+            self._prefill_facts.pop(addr.address, None)  # ask it again next time
 
     async def _decode_leg(
         self,
-        call: UpstreamCall,
+        turn: _Turn,
         decode: Endpoint,
         body: dict[str, Any] | None,
         prefill_task: asyncio.Task[Any] | None = None,
     ) -> Response:
-        """The decode leg (`body`: the call's body with the handoff fields; None: as it came),
-        answered as the worker answers: JSON, or its SSE bytes (minus a usage chunk the client
-        did not ask for: `to_upstream` always asks the worker for one)."""
+        """The decode leg (`body`: the call's body with the handoff fields; None: as it came).
+        On the workers' APIs answered as the worker answers — JSON, or its SSE bytes (minus a
+        usage chunk the client did not ask for: `to_upstream` always asks the worker for one);
+        on the others translated back into the client's API (`router.api`, as the router
+        does)."""
+        api, call, parsed = turn.api, turn.call, turn.parsed
         leg = dataclasses.replace(call, body=body if body is not None else call.body)
         d = RouteDecision(decode=decode)
         try:
             if not call.stream:
-                return JSONResponse(await self.upstreams.unary(d, leg, _no_fallback))
+                answer = await self.upstreams.unary(d, leg, _no_fallback)
+                return JSONResponse(_client_answer(turn, answer))
             chunks = await self.upstreams.stream(d, leg, _no_fallback)
         except UpstreamError as err:
             raise api_errors.upstream_failed(str(err)) from err
+        translator = translator_for(
+            api,
+            model=parsed.model or "",
+            request=parsed.request if isinstance(parsed.request, ResponsesRequest) else None,
+            stop_sequences=call.stop_sequences,
+            include_usage=call.client_wants_usage,
+        )
 
         async def content() -> AsyncIterator[bytes]:
             try:
-                async for data in chunks.raw(strip_usage=not call.client_wants_usage):
-                    yield data
+                if api in WORKER_APIS:
+                    async for data in chunks.raw(strip_usage=not call.client_wants_usage):
+                        yield data
+                    return
+                async for chunk in chunks:
+                    for frame in translator.feed(chunk):
+                        yield frame
+                for frame in translator.finish():
+                    yield frame
             except UpstreamError as exc:
                 log.warning("sidecar.decode_stream_failed", error=str(exc))
+                if api not in WORKER_APIS:
+                    err = api_errors.upstream_failed(str(exc), api=turn.dialect)
+                    for frame in translator.fail(err):
+                        yield frame
 
         async def closed() -> None:
             await chunks.aclose()
@@ -521,6 +569,29 @@ class Sidecar:
                 prefill_task.cancel()  # the answer is over: nothing waits for that leg now
 
         return _ClosingStream(content(), closed, media_type="text/event-stream")
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One client request on its way to the workers."""
+
+    api: ApiName
+    dialect: api_errors.ErrorDialect
+    parsed: ParsedRequest
+    call: UpstreamCall
+
+
+def _client_answer(turn: _Turn, upstream: dict[str, Any]) -> dict[str, Any]:
+    """A worker's chat completion in the client's API (as it came for the workers' APIs)."""
+    model = turn.parsed.model or str(upstream.get("model") or "")
+    if turn.api == "messages":
+        upstream.pop("kv_transfer_params", None)
+        return to_anthropic_message(upstream, model=model, stop_sequences=turn.call.stop_sequences)
+    request = turn.parsed.request
+    if turn.api == "responses" and isinstance(request, ResponsesRequest):
+        upstream.pop("kv_transfer_params", None)
+        return to_responses_object(upstream, request=request, model=model)
+    return upstream
 
 
 def _no_fallback(reason: str, worker: str) -> None:

@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import anthropic
 import grpc
 import httpx
+import openai
 import pytest
 from beamserve.router.sidecar import (
     BadPrefillerHeader,
@@ -185,6 +187,43 @@ def test_the_header_runs_the_prefill_on_the_named_worker(
     assert metric(s, "beamserve_sidecar_disaggregated_total", style=style) == 1
     assert metric(s, "beamserve_sidecar_requests_total", mode="disaggregated") == 1
     assert metric(s, FALLBACKS) == 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_anthropic_and_responses_calls_are_split_and_translated(
+    spawn_worker: SpawnWorker, style: str
+) -> None:
+    """The workers speak chat: the sidecar runs both legs in it and answers in the client's API
+    (the official SDKs parse the answers)."""
+    pod = spawn_pod(spawn_worker, style)
+    headers = {HEADER: address(pod.prefill)}
+    ac = anthropic.Anthropic(
+        base_url=pod.sidecar.url, api_key="x", max_retries=0, default_headers=headers
+    )
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    msg = ac.messages.create(model="beam", max_tokens=5, system="be brief", messages=messages)
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
+    with ac.messages.stream(model="beam", max_tokens=3, messages=messages) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens == 3 and final.content[0].type == "text"
+    oa = openai.OpenAI(
+        base_url=pod.sidecar.url + "/v1", api_key="x", max_retries=0, default_headers=headers
+    )
+    resp = oa.responses.create(model="beam", input=PROMPT, max_output_tokens=4)
+    assert resp.usage is not None and resp.usage.output_tokens == 4
+    assert metric(pod.decode.url, TRANSFERS) == 3 and metric(pod.decode.url, RECOMPUTES) == 0
+    assert pod.prompt_tokens(pod.prefill) > 3 * 500
+    assert metric(pod.sidecar.url, "beamserve_sidecar_disaggregated_total", style=style) == 3
+    # The prefill worker gone: its leg fails (the sidecar still knew it), then it is not asked
+    # again; colocated answers, still in the client's API.
+    pod.prefill.kill()
+    for _ in range(2):
+        msg = ac.messages.create(model="beam", max_tokens=2, messages=messages)
+        assert msg.usage.output_tokens == 2
+    failed = "sglang_prefill_failed" if style == "sglang" else "prefill_failed"
+    assert metric(pod.sidecar.url, FALLBACKS, reason=failed) == 1
+    assert metric(pod.sidecar.url, FALLBACKS, reason="prefill_unreachable") == 1
+    assert metric(pod.decode.url, TRANSFERS) == 3
 
 
 @pytest.mark.parametrize("style", STYLES)
