@@ -84,6 +84,13 @@ def add_bench_route(bench_sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the replica draw")
     p.add_argument(
+        "--scrape-interval-s",
+        type=_positive,
+        default=0.5,
+        metavar="S",
+        help="engine metrics scrape period of every router replica (virtual seconds)",
+    )
+    p.add_argument(
         "--own-book-only",
         action="store_true",
         help="replicas route on their own in-flight book only, ignoring what the scrapes say "
@@ -142,6 +149,7 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
             flow=not args.no_flow,
             seed=args.seed,
             combine_scrape=not args.own_book_only,
+            scrape_interval_s=args.scrape_interval_s,
         )
     except (TraceError, ReplayError) as exc:
         console.print(f"[red]{exc}")
