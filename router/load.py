@@ -168,6 +168,7 @@ class _Worker:
     kv_usage: float = 0.0
     queued_prefill_tokens: int | None = None
     scraped_at: float | None = None
+    scrape: ScrapedCounts | None = None  # the above, as `effective_load` takes them
     at_scrape: BookCounts = BookCounts()
     failures: int = 0
     open_until: float = 0.0
@@ -299,6 +300,7 @@ class LoadBook:
         q = next((samples[n] for n in QUEUED_PREFILL_METRICS if n in samples), None)
         w.queued_prefill_tokens = None if q is None else int(q)
         w.scraped_at = self.clock() if now is None else now
+        w.scrape = ScrapedCounts(w.queue_len, w.running, w.kv_usage, w.queued_prefill_tokens)
         w.at_scrape = _counts(w)
 
     # --- health ----------------------------------------------------------------------------------
@@ -341,9 +343,7 @@ class LoadBook:
         age = None if at is None else (now - at if now > at else 0.0)
         eff = effective_load(
             _counts(w),
-            None
-            if at is None
-            else ScrapedCounts(w.queue_len, w.running, w.kv_usage, w.queued_prefill_tokens),
+            w.scrape,
             w.at_scrape,
             age,
             # not combining: every scrape counts as stale here (consumers still read the raw
