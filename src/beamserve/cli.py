@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from beamserve.operator import cli as operator_cli  # parsers only
 
     operator_cli.add_operator_commands(sub)
+    from beamserve.operator import commands as operator_commands  # parsers only
+
+    operator_commands.add_runtime_commands(sub)
     return parser
 
 
@@ -188,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.workers.server.cli import worker_main
 
         return worker_main(args)
+    if args.command in ("render", "operator"):
+        from beamserve.operator.commands import runtime_main
+
+        return runtime_main(args)
     if args.command in ("validate", "crd"):
         from beamserve.operator.cli import operator_main
 
