@@ -25,7 +25,6 @@ from beamserve.operator.api import (
     GPU_ENGINES,
     KIND,
     BeamDeploymentSpec,
-    EngineTuning,
     PoolRole,
     PoolSpec,
 )
@@ -33,14 +32,15 @@ from beamserve.operator.naming import name_problems
 from beamserve.operator.pools import (
     LEADER_ADDRESS_ENV,
     POD_IP_ENV,
-    TUNING,
     WORKER_INDEX_ENV,
+    NodeRole,
     flag_name,
+    launch_path,
     launch_spec,
     pool_command,
     rendered_flags,
 )
-from beamserve.workers.launch import LaunchError, check_pair_compat
+from beamserve.workers.launch import LaunchError, PoolSpecError, check_pair_compat
 from beamserve.workers.launch import Parallelism as LaunchParallelism
 from pydantic import BaseModel, ValidationError
 
@@ -261,8 +261,8 @@ def _spec_problems(spec: BeamDeploymentSpec) -> list[Violation]:
     out += _router_problems(spec)
     out += _rollout_problems(spec)
     out += _labels("spec.monitoring.labels", spec.monitoring.labels)
-    if not out:
-        out += _render_problems(spec)
+    taken = {v.path for v in out}
+    out += [v for v in _render_problems(spec) if v.path not in taken]
     return out
 
 
@@ -543,13 +543,6 @@ def _pool_problems(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> 
                         f"gpusPerNode to {want} (or change tp/nodesPerReplica)",
                     )
                 )
-        flags = {"sglang": 1, "vllm": 2}[engine]
-        for name, entry in TUNING.items():
-            if getattr(pool.tuning, name) is not None and entry[flags] is None:
-                alias = EngineTuning.model_fields[name].alias or name
-                out.append(
-                    Violation(f"{p}.tuning.{alias}", f"{engine} has no such knob; remove it")
-                )
         if engine == "sglang" and role == "decode" and spec.host_cache_gb(role) > 0:
             out.append(
                 Violation(
@@ -736,7 +729,9 @@ def _pair_problems(spec: BeamDeploymentSpec, pre: PoolSpec, dec: PoolSpec) -> li
                     f"between equal {what}s — set both pools alike ({fix})",
                 )
             )
-    a, b = pre.tp // max(pre.attention_dp, 1), dec.tp // max(dec.attention_dp, 1)
+    if pre.tp % pre.attention_dp or dec.tp % dec.attention_dp:
+        return out  # reported per pool (attentionDp must divide tp)
+    a, b = pre.tp // pre.attention_dp, dec.tp // dec.attention_dp
     if max(a, b) % min(a, b):
         out.append(
             Violation(
@@ -754,7 +749,7 @@ def _pair_problems(spec: BeamDeploymentSpec, pre: PoolSpec, dec: PoolSpec) -> li
         )
     except LaunchError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
-        out += [Violation("spec.decode", f"the launchers refuse the pair: {ln}") for ln in lines]
+        out += [_launcher_violation(ln, "decode", spec.engine.name) for ln in lines]
     return out
 
 
@@ -889,17 +884,34 @@ def _label_problems(path: str, key: str, value: str) -> list[Violation]:
 
 
 def _render_problems(spec: BeamDeploymentSpec) -> list[Violation]:
-    """The backstop: every pool's command renders (a rule above missing would show here)."""
+    """Whatever the launchers refuse (their own rules, mapped back to this API's fields): a
+    spec admission admits always renders, even when a launcher learns a rule first."""
     out: list[Violation] = []
-    for role in spec.pools():
-        try:
-            pool_command(spec, role)
-        except LaunchError as exc:
-            for ln in getattr(exc, "problems", (str(exc),)):
+    if len(spec.pools()) > 1 and spec.both is not None:
+        return out
+    for role, pool in spec.pools().items():
+        nodes: tuple[NodeRole, ...] = (
+            ("leader", "worker") if pool.nodes_per_replica > 1 else ("leader",)
+        )
+        for node in nodes:
+            try:
+                pool_command(spec, role, node)
+            except PoolSpecError as exc:
+                out += [_launcher_violation(ln, role, spec.engine.name) for ln in exc.problems]
+                break
+            except (LaunchError, ValueError) as exc:
                 out.append(
-                    Violation(f"spec.{role}", f"the {spec.engine.name} launcher refuses it: {ln}")
+                    Violation(f"spec.{role}", f"the {spec.engine.name} launcher refuses it: {exc}")
                 )
+                break
     return out
+
+
+def _launcher_violation(line: str, role: PoolRole, engine: str) -> Violation:
+    field, sep, message = line.partition(": ")
+    if not sep or " " in field:
+        return Violation(f"spec.{role}", f"the {engine} launcher refuses it: {line}")
+    return Violation(launch_path(field, role), f"{message} (the {engine} launcher's {field})")
 
 
 def _update_problems(old: BeamDeploymentSpec, new: BeamDeploymentSpec) -> list[Violation]:

@@ -20,7 +20,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from beamserve.workers.launch.spec import CheckpointFormat, KVDtypeName, PageSize, TransferBackend
+from beamserve.workers.launch.spec import (
+    CheckpointFormat,
+    GPUModel,
+    KVDtypeName,
+    PageSize,
+    TransferBackend,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -121,6 +127,11 @@ class DraftModelSpec(_Model):
     block_size: Annotated[int, Field(ge=2, le=64)] = 8
     """Verify-window length in tokens: 1 anchor + `blockSize - 1` drafted tokens."""
     mount_path: Annotated[str, Field(pattern=r"^/.*")] = "/models/draft"
+    attention_backend: Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")] | None = None
+    """The draft's attention backend (SGLang `--speculative-draft-attention-backend`)."""
+    simulate_acceptance_length: Annotated[float, Field(gt=0)] | None = None
+    """Benchmarks only, SGLang only: pretend this many tokens are accepted per step
+    (`SGLANG_SIMULATE_ACC_LEN`)."""
 
 
 class ModelSpec(_Model):
@@ -196,8 +207,10 @@ class PoolKVOverride(_Model):
 
 
 class EngineTuning(_Model):
-    """Engine knobs of one pool (each rendered only where the launcher supports it)."""
+    """Engine knobs of one pool (sglang and vllm; each engine refuses what it lacks)."""
 
+    gpu: GPUModel | None = None
+    """The pool's GPU model: picks the attention backends for its generation."""
     attention_backend: Annotated[str, Field(pattern=r"^[a-z0-9_]+$")] | None = None
     """e.g. `trtllm_mha` (Blackwell), `fa3` (Hopper); default: the engine's choice."""
     memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None

@@ -1,51 +1,96 @@
 """What each pool of a `BeamDeployment` runs: its launcher spec and its command (pure).
 
 * `launch_spec(spec, role)` — the `beamserve.workers.launch.PoolSpec` of an SGLang or vLLM pool
-  (the launchers' strict boundary model; raises `PoolSpecError` naming the launcher's field);
-* `pool_command(spec, role)` — the container's `LaunchCommand` (argv, env, probes) for every
-  engine: SGLang and vLLM through `beamserve.workers.launch.render`, `sim` and `ref` as
-  `beamserve worker …`. Environment values use Kubernetes' `$(VAR)` references: `POD_IP`
-  (downward API `status.podIP`) and, in multi-node pools, the LeaderWorkerSet variables
-  `LWS_LEADER_ADDRESS` and `LWS_WORKER_INDEX`, which the pod template must define.
-
-Engine knobs (`tuning`) and multi-node ranks go to the launcher's own fields where its
-`PoolSpec` has them; a knob it does not render yet is appended as the engine's flag
-(`SGLANG_FLAGS` / `VLLM_FLAGS`) unless the rendered command already carries that flag, so a
-launcher that learns a knob takes it over without a change here.
+  (the launchers' strict boundary model; raises `PoolSpecError` naming the launcher's field;
+  `LAUNCH_PATHS` maps those fields back to the BeamDeployment's);
+* `pool_command(spec, role, node=...)` — the container's `LaunchCommand` (argv, env, probes)
+  for every engine: SGLang and vLLM through `beamserve.workers.launch.render`, `sim` and `ref`
+  as `beamserve worker …`. Multi-node pools (`nodesPerReplica` > 1) render a `leader` and a
+  `worker` command (vLLM's workers run headless). Environment values use Kubernetes' `$(VAR)`
+  references: `POD_IP` (downward API `status.podIP`) and, in multi-node pools, the
+  LeaderWorkerSet variables `LWS_LEADER_ADDRESS` and `LWS_WORKER_INDEX`, which the pod
+  template must define.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from beamserve.operator.api import BeamDeploymentSpec, EngineTuning, PoolRole, PoolSpec
+from beamserve.operator.api import BeamDeploymentSpec, PoolRole, PoolSpec
 from beamserve.workers.launch import LaunchCommand, render
 from beamserve.workers.launch import PoolSpec as LaunchPoolSpec
 
 POD_IP_ENV = "POD_IP"
 LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+NodeRole = Literal["leader", "worker"]
 
-# tuning field → (launcher PoolSpec field it maps to when present, SGLang flag, vLLM flag).
-# A flag of None: the engine has no such knob (admission refuses the field for it).
-# A bool knob renders as a bare switch when true. The flags are checked against the option
-# strings of SGLang 0.5.23's and vLLM 0.33.0's parsers (the launchers' contract venvs).
-TUNING: dict[str, tuple[str, str | None, str | None]] = {
-    "attention_backend": ("attention_backend", "--attention-backend", "--attention-backend"),
-    "memory_fraction": ("mem_fraction_static", "--mem-fraction-static", "--gpu-memory-utilization"),
-    "unified_memory": ("unified_memory", "--enable-unified-memory", None),
-    "max_running_requests": ("max_running_requests", "--max-running-requests", "--max-num-seqs"),
-    "cuda_graph_max_batch_size": (
-        "cuda_graph_max_bs",
-        "--cuda-graph-max-bs-decode",
-        "--max-cudagraph-capture-size",
-    ),
-    "prefill_decode_interval": ("prefill_decode_interval", "--prefill-decode-interval", None),
-    "cache_report": ("cache_report", "--enable-cache-report", None),
-    "tokenizer_workers": ("tokenizer_worker_num", "--tokenizer-worker-num", None),
+# `tuning` field → the launcher's PoolSpec field.
+TUNING: dict[str, str] = {
+    "gpu": "gpu",
+    "attention_backend": "attention_backend",
+    "memory_fraction": "mem_fraction_static",
+    "unified_memory": "unified_memory",
+    "max_running_requests": "max_running_requests",
+    "cuda_graph_max_batch_size": "cuda_graph_max_bs",
+    "chunked_prefill_size": "chunked_prefill_size",
+    "prefill_decode_interval": "prefill_decode_interval",
+    "cache_report": "cache_report",
+    "tokenizer_workers": "tokenizer_worker_num",
 }
-SGLANG_FLAGS = {k: v[1] for k, v in TUNING.items()}
-VLLM_FLAGS = {k: v[2] for k, v in TUNING.items()}
+# The launcher's field paths (first dotted part of its messages) → the BeamDeployment's, with
+# `{role}` for the pool (used to name the field in admission's messages).
+LAUNCH_PATHS: dict[str, str] = {
+    "parallel.tp_size": "spec.{role}.tp",
+    "parallel.ep_size": "spec.{role}.ep",
+    "parallel.dp_attention": "spec.{role}.attentionDp",
+    "parallel.nodes": "spec.{role}.nodesPerReplica",
+    "parallel": "spec.{role}.tp",
+    "kv_cache.page_size": "spec.{role}.kv.pageSize",
+    "kv_cache.dtype": "spec.{role}.kv.dtype",
+    "kv_cache.host_cache_gb": "spec.{role}.kv.hostCacheGb",
+    "kv_cache.prefix_caching": "spec.kv.prefixCaching",
+    "transfer.backend": "spec.kv.transferBackend",
+    "transfer.ib_device": "spec.kv.ibDevice",
+    "transfer.bootstrap_port": "spec.{role}.ports.bootstrap",
+    "transfer.side_channel_port": "spec.{role}.ports.sideChannel",
+    "transfer.on_load_failure": "spec.kv.onLoadFailure",
+    "kv_events.endpoint": "spec.{role}.ports.kvEvents",
+    "kv_events.replay_endpoint": "spec.{role}.ports.kvReplay",
+    "port": "spec.{role}.ports.http",
+    "dist_init_port": "spec.{role}.ports.distInit",
+    "model.path": "spec.model.mountPath",
+    "model.format": "spec.model.format",
+    "model.fingerprint": "spec.model.fingerprint",
+    "model.served_name": "spec.model.servedName",
+    "context_length": "spec.model.contextLength",
+    "speculative.draft_model_path": "spec.model.draft.mountPath",
+    "speculative.block_size": "spec.model.draft.blockSize",
+    "speculative.draft_attention_backend": "spec.model.draft.attentionBackend",
+    "speculative.simulate_acceptance_length": "spec.model.draft.simulateAcceptanceLength",
+    "speculative": "spec.model.draft",
+    "env": "spec.engine.extraEnv",
+    "gpu": "spec.{role}.tuning.gpu",
+    "attention_backend": "spec.{role}.tuning.attentionBackend",
+    "mem_fraction_static": "spec.{role}.tuning.memoryFraction",
+    "unified_memory": "spec.{role}.tuning.unifiedMemory",
+    "max_running_requests": "spec.{role}.tuning.maxRunningRequests",
+    "cuda_graph_max_bs": "spec.{role}.tuning.cudaGraphMaxBatchSize",
+    "chunked_prefill_size": "spec.{role}.tuning.chunkedPrefillSize",
+    "prefill_decode_interval": "spec.{role}.tuning.prefillDecodeInterval",
+    "cache_report": "spec.{role}.tuning.cacheReport",
+    "tokenizer_worker_num": "spec.{role}.tuning.tokenizerWorkers",
+}
+
+
+def launch_path(launcher_field: str, role: PoolRole) -> str:
+    """The BeamDeployment field behind the launcher's `launcher_field` (longest known prefix)."""
+    parts = launcher_field.split(".")
+    for n in range(len(parts), 0, -1):
+        known = LAUNCH_PATHS.get(".".join(parts[:n]))
+        if known is not None:
+            return known.format(role=role)
+    return f"spec.{role}"
 
 
 def launch_spec(spec: BeamDeploymentSpec, role: PoolRole) -> LaunchPoolSpec:
@@ -95,38 +140,47 @@ def launch_spec_dict(spec: BeamDeploymentSpec, role: PoolRole) -> dict[str, Any]
     if kv.ib_device is not None and spec.engine.name == "sglang":
         out["transfer"]["ib_device"] = kv.ib_device
     if spec.model.draft is not None:
+        draft = spec.model.draft
         out["speculative"] = {
-            "method": spec.model.draft.method,
-            "draft_model_path": spec.model.draft.mount_path,
-            "block_size": spec.model.draft.block_size,
+            "method": draft.method,
+            "draft_model_path": draft.mount_path,
+            "block_size": draft.block_size,
         }
+        if draft.attention_backend is not None:
+            out["speculative"]["draft_attention_backend"] = draft.attention_backend
+        if draft.simulate_acceptance_length is not None:
+            out["speculative"]["simulate_acceptance_length"] = draft.simulate_acceptance_length
     if spec.model.context_length is not None:
         out["context_length"] = spec.model.context_length
-    if pool.tuning.chunked_prefill_size is not None:
-        out["chunked_prefill_size"] = pool.tuning.chunked_prefill_size
-    fields = LaunchPoolSpec.model_fields
-    for name, (launcher_field, _, _) in TUNING.items():
+    for name, launcher_field in TUNING.items():
         value = getattr(pool.tuning, name)
-        if value is not None and launcher_field in fields:
+        if value is not None:
             out[launcher_field] = value
+    if pool.nodes_per_replica > 1:
+        out["parallel"]["nodes"] = pool.nodes_per_replica
+        out["dist_init_port"] = pool.ports.dist_init
+        out["leader_address_env"] = LEADER_ADDRESS_ENV
+        out["node_rank_env"] = WORKER_INDEX_ENV
+    if spec.engine.extra_env:
+        out["env"] = {e.name: e.value for e in spec.engine.extra_env}
     return out
 
 
-def pool_command(spec: BeamDeploymentSpec, role: PoolRole) -> LaunchCommand:
-    """The command `role`'s pods run (engine flags, then `engine.extraArgs`, then the pool's)."""
+def pool_command(
+    spec: BeamDeploymentSpec, role: PoolRole, node: NodeRole = "leader"
+) -> LaunchCommand:
+    """The command `role`'s pods run (engine flags, then `engine.extraArgs`, then the pool's);
+    `node="worker"`: the non-leader pods of a multi-node replica."""
     pool = _pool(spec, role)
     if spec.engine.name in ("sglang", "vllm"):
-        cmd = render(launch_spec(spec, role))
+        cmd = render(launch_spec(spec, role), node=node)
         argv = list(cmd.argv)
-        argv += _tuning_flags(spec.engine.name, pool.tuning, argv)
-        argv += _multinode_flags(spec, pool, argv)
         env = dict(cmd.env)
     else:
         argv = _worker_argv(spec, role, pool)
-        env = {}
+        env = {e.name: e.value for e in spec.engine.extra_env}
         cmd = LaunchCommand(argv=(), port=pool.ports.http, ready_path="/health")
     argv += spec.engine.extra_args + pool.extra_args
-    env.update({e.name: e.value for e in spec.engine.extra_env})
     return LaunchCommand(
         argv=tuple(argv),
         env=env,
@@ -158,48 +212,6 @@ def _pool(spec: BeamDeploymentSpec, role: PoolRole) -> PoolSpec:
         raise ValueError(f"spec.{role}: not set; this BeamDeployment has {list(spec.pools())}")
     assert isinstance(pool, PoolSpec)
     return pool
-
-
-def _tuning_flags(engine: str, tuning: EngineTuning, argv: list[str]) -> list[str]:
-    flags = SGLANG_FLAGS if engine == "sglang" else VLLM_FLAGS
-    present = {flag_name(a) for a in argv}
-    out: list[str] = []
-    for name, flag in flags.items():
-        value = getattr(tuning, name)
-        if value is None or flag is None or flag in present:
-            continue
-        if isinstance(value, bool):
-            if value:
-                out.append(flag)
-        else:
-            out += [flag, str(value)]
-    return out
-
-
-def _multinode_flags(spec: BeamDeploymentSpec, pool: PoolSpec, argv: list[str]) -> list[str]:
-    """Rank flags of one engine instance over `nodesPerReplica` pods (a LeaderWorkerSet)."""
-    if pool.nodes_per_replica == 1 or "--nnodes" in argv:
-        return []
-    port = pool.ports.dist_init
-    if spec.engine.name == "sglang":
-        return [
-            "--nnodes",
-            str(pool.nodes_per_replica),
-            "--node-rank",
-            f"$({WORKER_INDEX_ENV})",
-            "--dist-init-addr",
-            f"$({LEADER_ADDRESS_ENV}):{port}",
-        ]
-    return [
-        "--nnodes",
-        str(pool.nodes_per_replica),
-        "--node-rank",
-        f"$({WORKER_INDEX_ENV})",
-        "--master-addr",
-        f"$({LEADER_ADDRESS_ENV})",
-        "--master-port",
-        str(port),
-    ]
 
 
 def _worker_argv(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> list[str]:

@@ -147,8 +147,19 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.prefill.tuning.chunkedPrefillSize"),
     ("vllm has no unified memory", S.aggregated(both={"tuning": {"unifiedMemory": True}}),
      "spec.both.tuning.unifiedMemory"),
-    ("vllm has no cache report", S.aggregated(both={"tuning": {"cacheReport": True}}),
-     "spec.both.tuning.cacheReport"),
+    ("vllm has no prefill/decode interval", S.aggregated(both={"tuning": {
+        "prefillDecodeInterval": 0}}), "spec.both.tuning.prefillDecodeInterval"),
+    ("vllm has no tokenizer workers", S.aggregated(both={"tuning": {"tokenizerWorkers": 2}}),
+     "spec.both.tuning.tokenizerWorkers"),
+    ("unknown attention backend", S.disagg(decode={"tuning": {"attentionBackend": "nope"}}),
+     "spec.decode.tuning.attentionBackend"),
+    ("unified memory under P/D over nixl", S.disagg(decode={"tuning": {"unifiedMemory": True}}),
+     "spec.decode.tuning.unifiedMemory"),
+    ("bad draft attention backend", S.disagg(model={"draft": {"source": {"pvc": {
+        "claimName": "d"}}, "attentionBackend": "nope"}}), "spec.model.draft.attentionBackend"),
+    ("simulated acceptance on vllm", S.aggregated(model={"draft": {"source": {"pvc": {
+        "claimName": "d"}}, "simulateAcceptanceLength": 4.0}}),
+     "spec.model.draft.simulateAcceptanceLength"),
     # ports
     ("http = kvEvents", S.disagg(decode={"ports": {"kvEvents": 8000}}),
      "spec.decode.ports.kvEvents"),
