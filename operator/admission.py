@@ -165,8 +165,7 @@ def _explain(exc: ValidationError) -> list[Violation]:
     by_path: dict[str, list[dict[str, Any]]] = {}
     for err in exc.errors():
         path, model = _path_of(err["loc"])
-        err["_model"] = model
-        by_path.setdefault(path, []).append(err)
+        by_path.setdefault(path, []).append({**err, "_model": model})
     out: list[Violation] = []
     for path, errs in by_path.items():
         first = errs[0]
@@ -656,13 +655,13 @@ def _passthrough_problems(p: str, pool: PoolSpec) -> list[Violation]:
                     f"{q}.whenUnsatisfiable", f"{when!r}; use DoNotSchedule or ScheduleAnyway"
                 )
             )
-    for field, value, keys in (
+    for name, free, keys in (
         ("affinity", pool.affinity, _AFFINITY_KEYS),
         ("resources", pool.resources, _RESOURCE_KEYS),
         ("podTemplate", pool.pod_template, _POD_TEMPLATE_KEYS),
     ):
-        for k in set(value or {}) - keys:
-            out.append(Violation(f"{p}.{field}.{k}", f"unknown field; valid: {sorted(keys)}"))
+        for k in set(free or {}) - keys:
+            out.append(Violation(f"{p}.{name}.{k}", f"unknown field; valid: {sorted(keys)}"))
     limits = (pool.resources or {}).get("limits") or {}
     if isinstance(limits, Mapping) and pool.gpu_resource in limits:
         out.append(
@@ -821,13 +820,10 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
             out.append(Violation("spec.router.policyConfig", f"{exc}"))
     for key, value in r.node_selector.items():
         out += _label_problems("spec.router.nodeSelector", key, value)
-    for field, value in (("resources", r.resources),):
-        for k in set(value or {}) - _RESOURCE_KEYS:
-            out.append(
-                Violation(
-                    f"spec.router.{field}.{k}", f"unknown field; valid: {sorted(_RESOURCE_KEYS)}"
-                )
-            )
+    for k in set(r.resources or {}) - _RESOURCE_KEYS:
+        out.append(
+            Violation(f"spec.router.resources.{k}", f"unknown; valid: {sorted(_RESOURCE_KEYS)}")
+        )
     return out
 
 
@@ -988,7 +984,7 @@ _UNITS |= {f"{u}i": 1024**i for i, u in enumerate("KMGTPE", 1)}
 def _bytes(quantity: str) -> float:
     m = re.match(r"^([0-9.]+)([A-Za-z]*)$", quantity)
     assert m is not None
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    return float(m.group(1)) * float(_UNITS[m.group(2)])
 
 
 def _divisors(n: int) -> list[int]:

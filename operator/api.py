@@ -488,8 +488,8 @@ class ObjectMeta(_Model):
 class BeamDeployment(_Model):
     """A whole object, as `kubectl apply -f` sends it."""
 
-    api_version: Literal["beamserve.io/v1alpha1"] = API_VERSION
-    kind: Literal["BeamDeployment"] = KIND
+    api_version: Literal["beamserve.io/v1alpha1"] = "beamserve.io/v1alpha1"
+    kind: Literal["BeamDeployment"] = "BeamDeployment"
     metadata: ObjectMeta = ObjectMeta()
     spec: BeamDeploymentSpec
     status: BeamDeploymentStatus | None = None

@@ -419,7 +419,8 @@ def crd_without_cel() -> dict[str, Any]:
 
 def crd_yaml() -> str:
     """The generated CRD file's exact text."""
-    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
+    body: str = yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
+    return HEADER + body
 
 
 def spec_schema() -> dict[str, Any]:
