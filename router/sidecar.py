@@ -357,9 +357,12 @@ class Sidecar:
             if api is None:
                 return await self._colocated(request, dialect, "unsupported_api", addr, path)
             return await self._disaggregated(request, api, dialect, addr)
-        except APIError as err:
-            err = err.for_api(dialect)
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        except APIError as exc:
+            error = exc.for_api(dialect)
+        except Exception as exc:  # never a bare 500 with a stack trace
+            log.exception("sidecar.internal_error", path=path)
+            error = api_errors.upstream_failed(str(exc), api=dialect)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     async def _metrics_text(self) -> bytes:
         """The decode worker's exposition (what a router or Prometheus scraping this pod's

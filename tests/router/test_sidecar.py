@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,10 +85,13 @@ def spawn_pod(
     prefill_style: str | None = None,
     prefill_role: str = "prefill",
 ) -> Pod:
-    prefill = spawn_worker(
-        "--engine", "sim", "--role", prefill_role, *style_args(prefill_style or style)
-    )
-    decode = spawn_worker("--engine", "sim", "--role", "decode", *style_args(style))
+    with ThreadPoolExecutor(2) as pool:  # both start at once (each takes seconds)
+        p = pool.submit(
+            spawn_worker, "--engine", "sim", "--role", prefill_role,
+            *style_args(prefill_style or style),
+        )  # fmt: skip
+        d = pool.submit(spawn_worker, "--engine", "sim", "--role", "decode", *style_args(style))
+        prefill, decode = p.result(), d.result()
     sidecar = spawn_worker(
         "--decode", decode.url, "--host", "127.0.0.1", *sidecar_args, command="sidecar"
     )
