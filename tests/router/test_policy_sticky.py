@@ -146,9 +146,10 @@ def test_sticky_leaves_iff_margins_exceeded(
 
     t_warm = ttft(views[0])
     t_best = min(ttft(v) for v in views[1:])
-    # the move's recompute: the tokens the best other lacks that the warm worker holds
+    # the move's recompute: the tokens the best other lacks that the warm worker holds (none
+    # when the other holds more: a move never earns credit for tokens it saves)
     verdicts = {
-        t_warm - t_best > margin_s + move_cost * (uncached(v) - uncached(views[0])) / RATE
+        t_warm - t_best > margin_s + move_cost * max(0.0, uncached(v) - uncached(views[0])) / RATE
         and t_warm > margin_ratio * t_best
         for v in views[1:]
         if ttft(v) == t_best
