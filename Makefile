@@ -94,6 +94,7 @@ lint: install
 crd:
 	$(VENV)/bin/beamserve crd > manifests/crd.yaml
 	cp manifests/crd.yaml charts/beamserve/crds/beamdeployments.beamserve.io.yaml
+	$(PY) scripts/beampool_crd.py
 
 bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json

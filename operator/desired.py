@@ -216,7 +216,7 @@ def router_endpoint(bd: BeamDeployment, namespace: str) -> str:
 
 def render_yaml(objects: list[Object]) -> str:
     """The objects as one multi-document YAML stream (`beamserve render`)."""
-    return yaml.safe_dump_all(objects, sort_keys=False, width=100, allow_unicode=True)
+    return str(yaml.safe_dump_all(objects, sort_keys=False, width=100, allow_unicode=True))
 
 
 def router_config_dict(bd: BeamDeployment, namespace: str) -> dict[str, Any]:
