@@ -108,9 +108,7 @@ def spec_docs(draw: st.DrawFn, engine: str | None = None) -> dict[str, Any]:
         doc["attention_backend"] = draw(st.sampled_from(draft_backends))
     if draw(st.booleans()):
         doc["mem_fraction_static"] = draw(st.sampled_from([0.8, 0.85, 0.9]))
-    unified_ok = eng == "sglang" and (
-        role == "both" or (backend == "mooncake" and not speculative)
-    )
+    unified_ok = eng == "sglang" and (role == "both" or (backend == "mooncake" and not speculative))
     if unified_ok and draw(st.booleans()):
         doc["unified_memory"] = True
     if draw(st.booleans()):

@@ -1,12 +1,16 @@
-"""Contract: the rendered command lines parse with the engines' REAL parsers.
+"""Contract: the rendered command lines parse with the engines' REAL parsers, and pass the
+engines' own cross-field checks.
 
 SGLang 0.5.23's `ServerArgs` parser runs in `.venv-sglang`, vLLM 0.33.0's `vllm serve` parser
 (+ its `validate()`) in `.venv-vllm` (`make install` builds both; their pins conflict with
 ours). Each parser is built once per session by a checker process
 (workers/launch/contract/check_*.py) that answers one JSON line per command; besides parsing,
 it checks exact option strings, registries (KV connectors, speculative methods, parsers,
-quantization methods, KV-event publishers) and the environment variables. The negative cases
-prove each check can fail.
+quantization methods, KV-event publishers) and the environment variables, then runs the
+engine's resolution pass: SGLang's `run_resolution_pipeline` hooks that need no checkpoint,
+vLLM's `create_engine_config` against a Beam 1.0-shaped config without weights. The negative
+cases prove each check can fail; the mirrored rules prove the pure validation (`PoolSpec`)
+refuses exactly what the engine itself refuses.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from beamserve.workers.launch import LaunchCommand, PoolSpec, render_sglang, render_vllm
+from beamserve.workers.launch import (
+    LaunchCommand,
+    PoolSpec,
+    PoolSpecError,
+    render,
+    render_sglang,
+    render_sglang_production,
+    render_vllm,
+)
 from hypothesis import HealthCheck, given, settings
 
 _path = Path(__file__).resolve().parent / "launch_specs.py"
@@ -35,12 +47,90 @@ typical = launch_specs.typical
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = REPO / "workers" / "launch" / "contract"
 POD_IP = "192.0.2.7"  # TEST-NET-1: never contacted, only read back
+LEADER = "192.0.2.1"
+ENVIRON = {
+    "POD_IP": POD_IP,
+    "MY_POD_IP": POD_IP,
+    "LWS_LEADER_ADDRESS": LEADER,
+    "LWS_WORKER_INDEX": "1",
+}
+# The seeds' production command (SGLang, 4×GB300, NVFP4, TP4), `…` and `CC` filled in.
+PRODUCTION = [
+    "--model-path",
+    "/models/beam-1.0-nvfp4",
+    "--served-model-name",
+    "beam",
+    "--quantization",
+    "modelopt_fp4",
+    "--tp-size",
+    "4",
+    "--ep-size",
+    "1",
+    "--attn-dp-size",
+    "1",
+    "--nnodes",
+    "1",
+    "--node-rank",
+    "0",
+    "--dist-init-addr",
+    "127.0.0.1:39746",
+    "--attention-backend",
+    "trtllm_mha",
+    "--page-size",
+    "64",
+    "--mem-fraction-static",
+    "0.80",
+    "--enable-unified-memory",
+    "--reasoning-parser",
+    "beam",
+    "--tool-call-parser",
+    "beam",
+    "--speculative-algorithm",
+    "DFLASH",
+    "--speculative-draft-model-path",
+    "/models/beam-1.0-dflash2",
+    "--speculative-draft-attention-backend",
+    "trtllm_mha",
+    "--speculative-num-draft-tokens",
+    "8",
+    "--enable-hierarchical-cache",
+    "--hicache-size",
+    "88",
+    "--max-running-requests",
+    "32",
+    "--cuda-graph-max-bs-decode",
+    "32",
+    "--context-length",
+    "1048576",
+    "--chunked-prefill-size",
+    "16384",
+    "--prefill-decode-interval",
+    "0",
+    "--enable-cache-report",
+    "--enable-metrics",
+    "--tokenizer-worker-num",
+    "1",
+]
+# Hooks of SGLang's resolution pipeline that must run here (the rules mirrored in PoolSpec).
+SGLANG_HOOKS = {
+    "handle_pd_disaggregation",
+    "handle_hicache_ratio_default",
+    "handle_hicache",
+    "handle_cache_compatibility",
+    "handle_unified_memory_pool",
+    "validate_prefill_decode_interval",
+    "handle_kv_cache_sharding",
+    "handle_platform_defaults",
+    "handle_other_validations",
+}
 
 
 class Checker:
     """One long-lived checker process inside an engine's parser venv."""
 
-    def __init__(self, venv: str, script: str, tmp: Path) -> None:
+    def __init__(
+        self, venv: str, script: str, tmp: Path, env: dict[str, str] | None = None
+    ) -> None:
         python = REPO / venv / "bin" / "python"
         if not python.exists():
             pytest.fail(
@@ -52,7 +142,12 @@ class Checker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log.open("wb"),
-            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONHASHSEED": "0"},
+            env={
+                **os.environ,
+                "VLLM_TARGET_DEVICE": "cpu",
+                "PYTHONHASHSEED": "0",
+                **(env or {}),
+            },
             cwd=tmp,
             text=True,
         )
@@ -64,11 +159,7 @@ class Checker:
         self, argv: list[str] | tuple[str, ...], env: dict[str, str] | None = None
     ) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        req = {
-            "argv": list(argv),
-            "env": env or {},
-            "environ": {"POD_IP": POD_IP, "MY_POD_IP": POD_IP},
-        }
+        req = {"argv": list(argv), "env": env or {}, "environ": ENVIRON}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read(timeout_s=60)
@@ -110,9 +201,45 @@ def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checker]:
     checker.close()
 
 
+def beam_shaped_config(directory: Path) -> Path:
+    """Beam 1.0's architecture in `config.json`, a real tokenizer, no weights: what vLLM's
+    config resolution reads (heads vs TP, experts vs EP, layer types, 1M positions)."""
+    from beamserve.kv_transfer.model import beam_1_0, beam_layer_types
+    from beamserve.workers.ref.checkpoint import make_tiny
+
+    make_tiny(directory)
+    (directory / "model.safetensors").unlink()
+    beam = beam_1_0()
+    cfg = json.loads((directory / "config.json").read_text())
+    n = beam.num_hidden_layers
+    cfg.update(
+        num_hidden_layers=n,
+        layer_types=list(beam_layer_types(n)),
+        mlp_layer_types=["dense"] * 3 + ["sparse"] * (n - 3),
+        num_attention_heads=beam.num_attention_heads,
+        num_key_value_heads=beam.num_key_value_heads,
+        head_dim=beam.head_dim,
+        hidden_size=beam.num_attention_heads * beam.head_dim,
+        sliding_window=beam.sliding_window,
+        num_experts=256,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        max_position_embeddings=1048576,
+    )
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checker]:
-    checker = Checker(".venv-vllm", "check_vllm.py", tmp_path_factory.mktemp("vllm"))
+    model = beam_shaped_config(tmp_path_factory.mktemp("beam-shape"))
+    checker = Checker(
+        ".venv-vllm",
+        "check_vllm.py",
+        tmp_path_factory.mktemp("vllm"),
+        env={"BEAM_CONFIG_DIR": str(model)},
+    )
     yield checker
     checker.close()
 
@@ -214,6 +341,11 @@ def test_sglang_every_generated_spec_parses(sglang: Checker, doc: dict[str, Any]
         s.port,
     )
     assert p["disaggregation_mode"] == (s.role if s.disaggregated else "null")
+    assert set(got["resolution"]["ran"]) >= SGLANG_HOOKS, got["resolution"]
+    assert p["attention_backend"] == s.resolved_attention_backend
+    if s.multinode:
+        assert (p["nnodes"], p["node_rank"]) == (s.parallel.nodes, 1)
+        assert p["dist_init_addr"] == f"{LEADER}:{s.dist_init_port}"
 
 
 def test_sglang_rejects_what_it_must(sglang: Checker) -> None:
@@ -335,7 +467,15 @@ def test_vllm_mooncake_and_dp_attention(vllm: Checker) -> None:
 @given(doc=launch_specs.spec_docs(engine="vllm"))
 def test_vllm_every_generated_spec_parses(vllm: Checker, doc: dict[str, Any]) -> None:
     s = PoolSpec.parse(doc)
-    p = ok(vllm.command(render_vllm(s)))["parsed"]
+    got = ok(vllm.command(render_vllm(s, node="worker" if s.multinode else "leader")))
+    p, r = got["parsed"], got["resolved"]
+    # vLLM's world size is one DP rank's (TP × PP); the pool's GPUs are that × DP
+    assert r["ran"] and r["world_size"] * r["data_parallel_size"] == s.parallel.tp_size
+    assert (r["nnodes"], r["node_rank"]) == ((s.parallel.nodes, 1) if s.multinode else (1, 0))
+    assert r["block_size"] == s.kv_cache.page_size
+    if s.max_running_requests is not None:
+        assert r["max_num_seqs"] == s.max_running_requests
+    assert p["headless"] is s.multinode
     assert (p["tensor_parallel_size"], p["block_size"], p["port"]) == (
         s.parallel.attention_tp,
         s.kv_cache.page_size,
@@ -396,3 +536,265 @@ def test_vllm_rejects_what_it_must(vllm: Checker) -> None:
     rejected(vllm.check([*cmd.argv, "--kv-offloading-size", "10"]), "kv_offloading_size: replaces")
     rejected(vllm.check(cmd.argv, {"VLLM_NIXL_HOST": "x"}), "env VLLM_NIXL_HOST: not a variable")
     rejected(vllm.check(["vllm", "server", *cmd.argv[2:]]), "expected `vllm serve MODEL")
+
+
+# -- what pods need: the production shape, multi-node ranks, backends, the engines' own rules --
+
+
+def production_spec(**over: Any) -> PoolSpec:
+    """The seeds' production pool: SGLang, 4×GB300, NVFP4, TP4, DFlash2 block 8."""
+    doc: dict[str, Any] = {
+        "engine": "sglang",
+        "role": "both",
+        "model": {"path": launch_specs.MODEL, "format": "nvfp4"},
+        "parallel": {"tp_size": 4},
+        "gpu": "gb300",
+        "kv_cache": {"page_size": 64, "host_cache_gb": 88},
+        "mem_fraction_static": 0.8,
+        "unified_memory": True,
+        "speculative": {
+            "draft_model_path": launch_specs.DRAFT,
+            "block_size": 8,
+            "draft_attention_backend": "trtllm_mha",
+            "simulate_acceptance_length": 4,
+        },
+        "max_running_requests": 32,
+        "cuda_graph_max_bs": 32,
+        "context_length": 1048576,
+        "chunked_prefill_size": 16384,
+        "prefill_decode_interval": 0,
+        "cache_report": True,
+        "tokenizer_worker_num": 1,
+    }
+    doc.update(over)
+    return PoolSpec.parse(doc)
+
+
+def test_sglang_production_command_passes_parser_and_resolution(sglang: Checker) -> None:
+    cmd = render_sglang_production(production_spec())
+    assert list(cmd.argv[3:]) == PRODUCTION
+    got = ok(sglang.command(cmd))
+    p = got["parsed"]
+    assert (p["tp_size"], p["ep_size"], p["attn_dp_size"]) == (4, 1, 1)
+    assert (p["nnodes"], p["node_rank"], p["dist_init_addr"]) == (1, 0, "127.0.0.1:39746")
+    assert (p["attention_backend"], p["speculative_draft_attention_backend"]) == (
+        "trtllm_mha",
+        "trtllm_mha",
+    )
+    assert (p["mem_fraction_static"], p["enable_unified_memory"]) == (0.8, True)
+    assert (p["speculative_algorithm"], p["speculative_num_draft_tokens"]) == ("DFLASH", 8)
+    assert (p["enable_hierarchical_cache"], p["hicache_size"]) == (True, 88)
+    assert (p["max_running_requests"], p["cuda_graph_max_bs_decode"]) == (32, 32)
+    assert (p["context_length"], p["chunked_prefill_size"]) == (1048576, 16384)
+    assert (p["prefill_decode_interval"], p["enable_cache_report"]) == (0, True)
+    assert (p["enable_metrics"], p["tokenizer_worker_num"]) == (True, 1)
+    assert got["env"]["SGLANG_SIMULATE_ACC_LEN"] == 4.0
+    assert set(got["resolution"]["ran"]) >= SGLANG_HOOKS
+    # the pod's command: the same flags, plus where to listen and the KV dtype
+    assert ok(sglang.command(render_sglang(production_spec())))["parsed"]["port"] == 8000
+
+
+@pytest.mark.parametrize("node", ["leader", "worker"])
+def test_multinode_ranks_come_from_the_leaderworkerset_environment(
+    sglang: Checker, vllm: Checker, node: str
+) -> None:
+    over = {"parallel": {"tp_size": 16, "ep_size": 16, "nodes": 2}, "dist_init_port": 29500}
+    s = typical("sglang", "decode", **over)
+    p = ok(sglang.command(render_sglang(s, node=node)))["parsed"]  # type: ignore[arg-type]
+    assert (p["tp_size"], p["nnodes"], p["node_rank"]) == (16, 2, 1)
+    assert p["dist_init_addr"] == f"{LEADER}:29500"
+    s = typical("vllm", "decode", **over)
+    got = ok(vllm.command(render_vllm(s, node=node)))  # type: ignore[arg-type]
+    p, r = got["parsed"], got["resolved"]
+    assert (p["nnodes"], p["node_rank"], p["master_addr"], p["master_port"]) == (
+        2,
+        1,
+        LEADER,
+        29500,
+    )
+    assert p["headless"] is (node == "worker")
+    assert (r["world_size"], r["nnodes"], r["node_rank"], r["master_addr"]) == (16, 2, 1, LEADER)
+
+
+@pytest.mark.parametrize("gpu", ["gb300", "gb200", "b300", "b200", "h200", "h100"])
+def test_attention_backend_table_names_are_the_engines_own(
+    sglang: Checker, vllm: Checker, gpu: str
+) -> None:
+    s = typical("sglang", "prefill", gpu=gpu)
+    draft = {"draft_model_path": launch_specs.DRAFT, "draft_attention_backend": None}
+    backend = s.resolved_attention_backend
+    draft["draft_attention_backend"] = backend
+    s = typical("sglang", "prefill", gpu=gpu, speculative=draft)
+    p = ok(sglang.command(render_sglang(s)))["parsed"]
+    assert p["attention_backend"] == p["speculative_draft_attention_backend"] == backend
+    v = typical("vllm", "decode", gpu=gpu)
+    got = ok(vllm.command(render_vllm(v)))
+    assert got["resolved"]["attention_backend"] == v.resolved_attention_backend
+
+
+@pytest.mark.parametrize("backend", ["trtllm_mha", "fa3", "fa4", "flashinfer", "triton"])
+def test_sglang_named_backends_parse(sglang: Checker, backend: str) -> None:
+    draft = {"draft_model_path": launch_specs.DRAFT, "draft_attention_backend": backend}
+    s = typical("sglang", "decode", attention_backend=backend, speculative=draft)
+    assert ok(sglang.command(render_sglang(s)))["parsed"]["attention_backend"] == backend
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"])
+def test_vllm_named_backends_resolve(vllm: Checker, backend: str) -> None:
+    s = typical("vllm", "decode", attention_backend=backend)
+    assert ok(vllm.command(render_vllm(s)))["resolved"]["attention_backend"] == backend
+
+
+def test_vllm_limits_reach_the_resolved_config(vllm: Checker) -> None:
+    s = typical(
+        "vllm",
+        "decode",
+        mem_fraction_static=0.85,
+        max_running_requests=128,
+        cuda_graph_max_bs=64,
+        cache_report=True,
+        gpu="h200",
+    )
+    got = ok(vllm.command(render_vllm(s)))
+    p, r = got["parsed"], got["resolved"]
+    assert p["enable_prompt_tokens_details"] is True
+    assert (r["gpu_memory_utilization"], r["max_num_seqs"]) == (0.85, 128)
+    assert (r["max_cudagraph_capture_size"], r["max_num_batched_tokens"]) == (64, 16384)
+    assert (r["max_model_len"], r["attention_backend"]) == (262144, "FLASH_ATTN")
+
+
+def problems_of(doc: dict[str, Any]) -> str:
+    with pytest.raises(PoolSpecError) as info:
+        PoolSpec.parse(doc)
+    return "\n".join(info.value.problems)
+
+
+def typical_doc(engine: str, role: str, **over: Any) -> dict[str, Any]:
+    doc = typical(engine, role).model_dump(exclude_none=True)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            doc[key] = {**doc[key], **value}
+        else:
+            doc[key] = value
+    return doc
+
+
+# Each engine rule the pure validation mirrors: the spec it refuses (and the fix it names),
+# and the nearest valid spec's command with the refused setting forced in, which the engine
+# itself must refuse for the same reason.
+MIRRORED = [
+    pytest.param(
+        "sglang",
+        typical_doc("sglang", "decode", kv_cache={"host_cache_gb": 8}),
+        "kv_cache.host_cache_gb: SGLang's decode pool runs without a radix cache",
+        typical_doc("sglang", "decode"),
+        ["--enable-hierarchical-cache", "--hicache-size", "8"],
+        "handle_cache_compatibility: ValueError: The arguments enable-hierarchical-cache and "
+        "disable-radix-cache are mutually exclusive",
+        id="sglang-decode-host-cache",
+    ),
+    pytest.param(
+        "sglang",
+        typical_doc("sglang", "prefill", kv_cache={"prefix_caching": False}),
+        "set kv_cache.prefix_caching to true or host_cache_gb to 0",
+        typical_doc("sglang", "prefill"),
+        ["--disable-radix-cache"],
+        "enable-hierarchical-cache and disable-radix-cache are mutually exclusive",
+        id="sglang-host-cache-without-radix",
+    ),
+    pytest.param(
+        "sglang",
+        typical_doc("sglang", "decode", unified_memory=True),
+        "unified_memory: SGLang moves a unified pool between P/D pools only over mooncake",
+        typical_doc("sglang", "decode"),
+        ["--enable-unified-memory"],
+        "handle_unified_memory_pool: AssertionError: --enable-unified-memory with PD "
+        "disaggregation supports only these transfer backends: mooncake; got 'nixl'",
+        id="sglang-unified-memory-over-nixl",
+    ),
+    pytest.param(
+        "sglang",
+        typical_doc("sglang", "decode", unified_memory=True, transfer={"backend": "mooncake"}),
+        "does not support speculative decoding; remove speculative or unified_memory",
+        typical_doc("sglang", "decode", transfer={"backend": "mooncake"}),
+        ["--enable-unified-memory"],
+        "does not support speculative decoding with the Mooncake transfer backend",
+        id="sglang-unified-memory-mooncake-speculative",
+    ),
+    pytest.param(
+        "vllm",
+        typical_doc("vllm", "decode", parallel={"nodes": 3}),
+        "parallel.nodes: 3 nodes cannot split tp_size 4 evenly; choose nodes from [1, 2, 4]",
+        typical_doc("vllm", "decode", parallel={"nodes": 2}),
+        ["--nnodes", "3"],
+        "`--nnodes 3` must evenly divide the total world size (4)",
+        id="vllm-nodes-not-dividing-tp",
+    ),
+    pytest.param(
+        "vllm",
+        typical_doc("vllm", "decode", max_running_requests=512, chunked_prefill_size=256),
+        "chunked_prefill_size: vLLM needs at least max_running_requests (512) tokens",
+        typical_doc("vllm", "decode", max_running_requests=512, chunked_prefill_size=512),
+        ["--max-num-batched-tokens", "256"],
+        "max_num_seqs",
+        id="vllm-batch-tokens-below-max-seqs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("engine", "bad", "ours", "near", "force", "theirs"), MIRRORED)
+def test_mirrored_rules_are_the_engines_own(
+    sglang: Checker,
+    vllm: Checker,
+    engine: str,
+    bad: dict[str, Any],
+    ours: str,
+    near: dict[str, Any],
+    force: list[str],
+    theirs: str,
+) -> None:
+    assert ours in problems_of(bad)
+    checker = sglang if engine == "sglang" else vllm
+    cmd = render(PoolSpec.parse(near))
+    ok(checker.command(cmd))  # the nearest valid spec passes the engine's checks …
+    argv = forced(list(cmd.argv), force)
+    rejected(checker.check(argv, dict(cmd.env)), theirs)  # … and the forced one does not
+
+
+def forced(argv: list[str], force: list[str]) -> list[str]:
+    """`argv` with `force` applied: a `--flag value` replaces the flag's value, else appends."""
+    out = list(argv)
+    i = 0
+    while i < len(force):
+        flag = force[i]
+        value = force[i + 1] if i + 1 < len(force) and not force[i + 1].startswith("--") else None
+        if value is not None and flag in out:
+            out[out.index(flag) + 1] = value
+        elif flag not in out:
+            out += [flag] + ([value] if value is not None else [])
+        i += 2 if value is not None else 1
+    return out
+
+
+def test_sglang_resolution_reports_what_it_could_not_run(sglang: Checker) -> None:
+    got = ok(sglang.command(render_sglang(typical("sglang", "prefill"))))
+    skipped = got["resolution"]["skipped"]
+    # needs the checkpoint's config or the draft's: reported, never passed silently
+    assert "handle_speculative_decoding" in skipped
+    assert "handle_attention_backend_compatibility" in skipped
+    assert not set(skipped) & set(got["resolution"]["ran"])
+
+
+def test_engines_refuse_what_the_resolution_pass_must(sglang: Checker, vllm: Checker) -> None:
+    cmd = render_sglang(typical("sglang", "prefill"))
+    rejected(sglang.check(with_flag(cmd, "--prefill-decode-interval", "-1")), "non-negative")
+    rejected(
+        sglang.check(with_flag(cmd, "--speculative-draft-attention-backend", "flashmla")),
+        "not in DRAFT_ATTENTION_BACKEND_CHOICES",
+    )
+    rejected(sglang.check([*cmd.argv, "--node-rank", "$(NOPE)"]), "$(NOPE)")
+    v = render_vllm(typical("vllm", "decode"))
+    rejected(vllm.check(with_flag(v, "--gpu-memory-utilization", "1.5")), "resolution:")
+    rejected(vllm.check(with_flag(v, "--attention-backend", "FLASH_ATTN2")), "FLASH_ATTN2")
+    rejected(vllm.check([*v.argv, "--nnodes", "2", "--node-rank", "2"]), "`--node-rank` must")
+    rejected(vllm.check(with_flag(v, "--max-model-len", "2000000")), "resolution:")

@@ -11,10 +11,13 @@ from typing import Any
 
 import pytest
 from beamserve.workers.launch import (
+    PRODUCTION_FLAGS,
+    EngineEnvError,
     LaunchCommand,
     PoolSpec,
     render,
     render_sglang,
+    render_sglang_production,
     render_vllm,
 )
 from hypothesis import given, settings
@@ -292,6 +295,9 @@ def test_render_is_pure_and_well_formed(doc: dict[str, Any]) -> None:
             assert isinstance(json.loads(cmd.flag(name) or ""), dict)
     for value in cmd.env.values():
         assert "$(" not in value or value == f"$({s.pod_ip_env})"
+    refs = {s.pod_ip_env, s.leader_address_env, s.node_rank_env}
+    assert cmd.references <= refs
+    assert (s.node_rank_env in cmd.references) == s.multinode
     assert cmd.port == s.port
     # the KV-relevant settings always reach the engine explicitly
     page = cmd.flag("--page-size") or cmd.flag("--block-size")
@@ -325,3 +331,205 @@ def shell(cmd: LaunchCommand) -> str:
             item.append(argv.pop(0))
         lines.append("  " + " ".join(map(shlex.quote, item)))
     return " \\\n".join(lines)
+
+
+# -- what pods need ----------------------------------------------------------------------------
+
+SEED = [
+    "--model-path",
+    "/models/beam-1.0-nvfp4",
+    "--served-model-name",
+    "beam",
+    "--quantization",
+    "modelopt_fp4",
+    "--tp-size",
+    "4",
+    "--ep-size",
+    "1",
+    "--attn-dp-size",
+    "1",
+    "--nnodes",
+    "1",
+    "--node-rank",
+    "0",
+    "--dist-init-addr",
+    "127.0.0.1:39746",
+    "--attention-backend",
+    "trtllm_mha",
+    "--page-size",
+    "64",
+    "--mem-fraction-static",
+    "0.80",
+    "--enable-unified-memory",
+    "--reasoning-parser",
+    "beam",
+    "--tool-call-parser",
+    "beam",
+    "--speculative-algorithm",
+    "DFLASH",
+    "--speculative-draft-model-path",
+    "/models/beam-1.0-dflash2",
+    "--speculative-draft-attention-backend",
+    "trtllm_mha",
+    "--speculative-num-draft-tokens",
+    "8",
+    "--enable-hierarchical-cache",
+    "--hicache-size",
+    "88",
+    "--max-running-requests",
+    "32",
+    "--cuda-graph-max-bs-decode",
+    "32",
+    "--context-length",
+    "1048576",
+    "--chunked-prefill-size",
+    "16384",
+    "--prefill-decode-interval",
+    "0",
+    "--enable-cache-report",
+    "--enable-metrics",
+    "--tokenizer-worker-num",
+    "1",
+]
+SEED_DOC: dict[str, Any] = {
+    "engine": "sglang",
+    "role": "both",
+    "model": {"path": "/models/beam-1.0-nvfp4", "format": "nvfp4"},
+    "parallel": {"tp_size": 4},
+    "gpu": "gb300",
+    "kv_cache": {"page_size": 64, "host_cache_gb": 88},
+    "mem_fraction_static": 0.8,
+    "unified_memory": True,
+    "speculative": {
+        "draft_model_path": "/models/beam-1.0-dflash2",
+        "block_size": 8,
+        "draft_attention_backend": "trtllm_mha",
+        "simulate_acceptance_length": 4,
+    },
+    "max_running_requests": 32,
+    "cuda_graph_max_bs": 32,
+    "context_length": 1048576,
+    "chunked_prefill_size": 16384,
+    "prefill_decode_interval": 0,
+    "cache_report": True,
+    "tokenizer_worker_num": 1,
+}
+
+
+def test_production_command_is_the_seed_command_flag_for_flag() -> None:
+    cmd = render_sglang_production(PoolSpec.parse(SEED_DOC))
+    assert list(cmd.argv) == ["python3", "-m", "sglang.launch_server", *SEED]
+    assert cmd.env["SGLANG_SIMULATE_ACC_LEN"] == "4"
+    # the flags keep PRODUCTION_FLAGS' order
+    fl = flags(cmd)
+    assert fl == [f for f in PRODUCTION_FLAGS if f in fl]
+
+
+def test_pod_command_is_the_seed_command_plus_what_a_pod_needs() -> None:
+    cmd = render_sglang(PoolSpec.parse(SEED_DOC))
+    # the seed's flags, in order, minus the defaults SGLang has anyway …
+    implicit = {"--ep-size", "--attn-dp-size", "--nnodes", "--node-rank", "--dist-init-addr"}
+    seed = [f for f in SEED if f.startswith("--") and f not in implicit]
+    seed = [
+        "--speculative-dflash-block-size" if f.endswith("num-draft-tokens") else f for f in seed
+    ]
+    assert [f for f in flags(cmd) if f in seed] == seed
+    # … then where to listen and the KV dtype
+    assert flags(cmd)[len(seed) :] == ["--host", "--port", "--kv-cache-dtype"]
+
+
+def test_production_command_keeps_what_its_shape_has_no_flag_for() -> None:
+    cmd = render_sglang_production(
+        PoolSpec.parse({**SEED_DOC, "role": "prefill", "unified_memory": False})
+    )
+    assert cmd.flag("--disaggregation-mode") == "prefill"
+    assert "--host" not in cmd.argv  # as the seeds ran: SGLang's 127.0.0.1:30000
+
+
+@pytest.mark.parametrize(
+    ("gpu", "sglang_backend", "vllm_backend"),
+    [
+        ("gb300", "trtllm_mha", "FLASHINFER"),
+        ("gb200", "trtllm_mha", "FLASHINFER"),
+        ("b300", "trtllm_mha", "FLASHINFER"),
+        ("b200", "trtllm_mha", "FLASHINFER"),
+        ("h200", "fa3", "FLASH_ATTN"),
+        ("h100", "fa3", "FLASH_ATTN"),
+    ],
+)
+def test_attention_backend_per_gpu_generation(
+    gpu: str, sglang_backend: str, vllm_backend: str
+) -> None:
+    assert render(spec("sglang", gpu=gpu)).flag("--attention-backend") == sglang_backend
+    assert render(spec("vllm", gpu=gpu)).flag("--attention-backend") == vllm_backend
+    # an explicit backend wins over the table; none at all leaves it to the engine
+    assert render(spec("sglang", gpu=gpu, attention_backend="triton")).flag(
+        "--attention-backend"
+    ) == ("triton")
+    assert "--attention-backend" not in render(spec("vllm")).argv
+
+
+def test_vllm_equivalents_of_the_new_knobs() -> None:
+    cmd = render_vllm(
+        spec(
+            "vllm",
+            gpu="b200",
+            mem_fraction_static=0.85,
+            max_running_requests=64,
+            cuda_graph_max_bs=32,
+            cache_report=True,
+            speculative={"draft_model_path": "/d", "draft_attention_backend": "flash_attn"},
+            env={"VLLM_LOGGING_LEVEL": "WARNING"},
+        )
+    )
+    assert cmd.flag("--gpu-memory-utilization") == "0.85"
+    assert (cmd.flag("--max-num-seqs"), cmd.flag("--max-cudagraph-capture-size")) == ("64", "32")
+    assert "--enable-prompt-tokens-details" in cmd.argv
+    assert json_flag(cmd, "--speculative-config")["attention_backend"] == "FLASH_ATTN"
+    assert cmd.env["VLLM_LOGGING_LEVEL"] == "WARNING"
+    plain = render_vllm(spec("vllm"))
+    for absent in ("--gpu-memory-utilization", "--max-num-seqs", "--enable-prompt-tokens-details"):
+        assert absent not in plain.argv
+
+
+@pytest.mark.parametrize("node", ["leader", "worker"])
+def test_multinode_ranks_are_kubelet_references(node: str) -> None:
+    par = {"tp_size": 16, "nodes": 2}
+    sg = render_sglang(spec("sglang", "decode", parallel=par), node=node)  # type: ignore[arg-type]
+    assert (sg.flag("--nnodes"), sg.flag("--node-rank")) == ("2", "$(LWS_WORKER_INDEX)")
+    assert sg.flag("--dist-init-addr") == "$(LWS_LEADER_ADDRESS):39746"
+    assert sg.serves_http is (node == "leader")
+    vl = render_vllm(spec("vllm", "decode", parallel=par), node=node)  # type: ignore[arg-type]
+    assert (vl.flag("--nnodes"), vl.flag("--node-rank")) == ("2", "$(LWS_WORKER_INDEX)")
+    assert (vl.flag("--master-addr"), vl.flag("--master-port")) == (
+        "$(LWS_LEADER_ADDRESS)",
+        "39746",
+    )
+    assert ("--headless" in vl.argv) is (node == "worker")
+    assert vl.serves_http is (node == "leader")
+    environ = {"LWS_LEADER_ADDRESS": "10.1.2.3", "LWS_WORKER_INDEX": "1"}
+    assert "10.1.2.3:39746" in sg.resolve_argv(environ)
+    assert vl.references == {"LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX", "POD_IP"}
+    with pytest.raises(EngineEnvError, match=r"--node-rank: refers to \$\(LWS_WORKER_INDEX\)"):
+        vl.resolve_argv({"LWS_LEADER_ADDRESS": "10.1.2.3"})
+    single = render(spec("vllm", "decode"))
+    assert "--nnodes" not in single.argv and single.resolve_argv({}) == single.argv
+
+
+def test_custom_rank_variables_and_port() -> None:
+    s = spec(
+        "sglang",
+        parallel={"tp_size": 8, "nodes": 2},
+        leader_address_env="LEADER",
+        node_rank_env="RANK",
+        dist_init_port=29500,
+    )
+    cmd = render(s)
+    assert (cmd.flag("--node-rank"), cmd.flag("--dist-init-addr")) == ("$(RANK)", "$(LEADER):29500")
+
+
+def test_sglang_dflash_with_dp_attention_borrows_the_lm_head() -> None:
+    sp = {"draft_model_path": "/d"}
+    dpa = render_sglang(spec("sglang", parallel={"tp_size": 8, "dp_attention": 8}, speculative=sp))
+    assert "--enable-dp-lm-head" in dpa.argv
+    assert "--enable-dp-lm-head" not in render_sglang(spec("sglang", speculative=sp)).argv

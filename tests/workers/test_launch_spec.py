@@ -217,3 +217,142 @@ def test_parallel_validity_is_exactly_the_engine_rule(
         assert all(line.startswith("parallel.") for line in exc.problems), exc.problems
         assert all("choose" in line or "set ep_size" in line for line in exc.problems)
     assert valid == should
+
+
+# -- what pods need: new fields and the engine rules they mirror --------------------------------
+
+
+def test_new_fields_default_to_the_engines_choices() -> None:
+    s = PoolSpec.parse(MINIMAL)
+    assert (s.parallel.nodes, s.dist_init_port) == (1, 39746)
+    assert (s.leader_address_env, s.node_rank_env) == ("LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX")
+    assert s.gpu is None and s.attention_backend is None and s.resolved_attention_backend is None
+    assert (s.mem_fraction_static, s.unified_memory, s.cache_report) == (None, False, False)
+    assert (s.max_running_requests, s.cuda_graph_max_bs, s.prefill_decode_interval) == (
+        None,
+        None,
+        None,
+    )
+    assert s.tokenizer_worker_num is None and s.env == {} and not s.multinode
+
+
+@pytest.mark.parametrize(
+    ("over", "expect"),
+    [
+        (
+            {"role": "decode", "kv_cache": {"host_cache_gb": 8}},
+            "kv_cache.host_cache_gb: SGLang's decode pool runs without a radix cache, so it "
+            "cannot keep a hierarchical host cache; set it to 0 on the decode pool",
+        ),
+        (
+            {"kv_cache": {"host_cache_gb": 8, "prefix_caching": False}},
+            "kv_cache.host_cache_gb: SGLang's hierarchical cache extends the radix (prefix) "
+            "cache; set kv_cache.prefix_caching to true or host_cache_gb to 0",
+        ),
+        (
+            {"role": "prefill", "unified_memory": True},
+            "unified_memory: SGLang moves a unified pool between P/D pools only over mooncake, "
+            "not nixl; set transfer.backend to mooncake or unified_memory to false",
+        ),
+        (
+            {
+                "role": "prefill",
+                "unified_memory": True,
+                "transfer": {"backend": "mooncake"},
+                "speculative": {"draft_model_path": "/d"},
+            },
+            "unified_memory: SGLang's unified pool with P/D over mooncake does not support "
+            "speculative decoding; remove speculative or unified_memory",
+        ),
+        (
+            {"parallel": {"tp_size": 4, "nodes": 3}},
+            "parallel.nodes: 3 nodes cannot split tp_size 4 evenly; choose nodes from [1, 2, 4]",
+        ),
+        ({"attention_backend": "flashmla"}, "attention_backend: 'flashmla' is not a sglang"),
+        (
+            {
+                "speculative": {
+                    "draft_model_path": "/d",
+                    "draft_attention_backend": "flex_attention",
+                }
+            },
+            "speculative.draft_attention_backend: 'flex_attention' cannot run a sglang DFlash",
+        ),
+        ({"node_rank_env": "rank-1"}, "node_rank_env: 'rank-1' is not an environment variable"),
+        (
+            {"parallel": {"tp_size": 8, "nodes": 2}, "dist_init_port": 8000},
+            "dist_init_port: port 8000 is already taken by port; pick another",
+        ),
+        ({"env": {"SGLANG_HOST_IP": "x"}}, "env.SGLANG_HOST_IP: the launcher sets it itself"),
+        ({"env": {"POD_IP": "x"}}, "env.POD_IP: names the pod's own address/rank variable"),
+        ({"env": {"bad-name": "x"}}, "env.bad-name: not an environment variable name"),
+        ({"mem_fraction_static": 1.5}, "mem_fraction_static: Input should be less than or equal"),
+        ({"prefill_decode_interval": -1}, "prefill_decode_interval: Input should be greater"),
+        ({"gpu": "a100"}, "gpu: Input should be 'gb300', 'gb200', 'b300', 'b200', 'h200' or"),
+    ],
+)
+def test_sglang_rules_name_the_field_and_the_fix(over: dict[str, Any], expect: str) -> None:
+    lines = problems({**MINIMAL, **over})
+    assert any(line.startswith(expect) for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("over", "expect"),
+    [
+        ({"unified_memory": True}, "unified_memory: vLLM 0.33 has no unified KV memory pool"),
+        ({"prefill_decode_interval": 0}, "prefill_decode_interval: vLLM 0.33 has no"),
+        ({"tokenizer_worker_num": 2}, "tokenizer_worker_num: vLLM 0.33 tokenizes in its API"),
+        (
+            {"speculative": {"draft_model_path": "/d", "simulate_acceptance_length": 4}},
+            "speculative.simulate_acceptance_length: only SGLang can simulate",
+        ),
+        (
+            {"max_running_requests": 512, "chunked_prefill_size": 256},
+            "chunked_prefill_size: vLLM needs at least max_running_requests (512) tokens per "
+            "step; raise it to 512 or lower max_running_requests",
+        ),
+        ({"attention_backend": "trtllm_mha"}, "attention_backend: 'trtllm_mha' is not a vllm"),
+    ],
+)
+def test_vllm_gaps_and_rules_name_the_field_and_the_fix(over: dict[str, Any], expect: str) -> None:
+    lines = problems({**MINIMAL, "engine": "vllm", **over})
+    assert any(line.startswith(expect) for line in lines), lines
+
+
+def test_host_cache_stays_legal_where_the_engines_allow_it() -> None:
+    for role in ("prefill", "both"):
+        PoolSpec.parse({**MINIMAL, "role": role, "kv_cache": {"host_cache_gb": 8}})
+    # vLLM's host cache is an OffloadingConnector, which its decode pools may run
+    PoolSpec.parse(
+        {**MINIMAL, "engine": "vllm", "role": "decode", "kv_cache": {"host_cache_gb": 8}}
+    )
+    # unified memory: aggregated anywhere, P/D over mooncake without speculation
+    PoolSpec.parse({**MINIMAL, "unified_memory": True, "speculative": {"draft_model_path": "/d"}})
+    PoolSpec.parse(
+        {**MINIMAL, "role": "decode", "unified_memory": True, "transfer": {"backend": "mooncake"}}
+    )
+
+
+def test_vllm_backend_names_are_case_insensitive_and_gpu_picks_one() -> None:
+    s = PoolSpec.parse({**MINIMAL, "engine": "vllm", "attention_backend": "flash_attn"})
+    assert s.resolved_attention_backend == "flash_attn"
+    s = PoolSpec.parse({**MINIMAL, "engine": "vllm", "gpu": "h100"})
+    assert s.resolved_attention_backend == "FLASH_ATTN"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    engine=st.sampled_from(["sglang", "vllm"]),
+    tp=st.sampled_from([1, 2, 4, 8, 16, 32]),
+    nodes=st.integers(1, 16),
+)
+def test_nodes_validity_is_exactly_the_rule(engine: str, tp: int, nodes: int) -> None:
+    doc = {**MINIMAL, "engine": engine, "parallel": {"tp_size": tp, "nodes": nodes}}
+    try:
+        s = PoolSpec.parse(doc)
+        assert s.parallel.gpus_per_node * nodes == tp
+        valid = True
+    except PoolSpecError as exc:
+        valid = False
+        assert all(line.startswith("parallel.nodes: ") for line in exc.problems), exc.problems
+    assert valid == (tp % nodes == 0)

@@ -194,3 +194,32 @@ def test_signal_to_the_supervisor_is_forwarded_and_the_engine_drains(
     assert [e.get("name") for e in got if e["event"] == "signal"] == [sig.name]
     assert next(e for e in got if e["event"] == "start")["env"]["ENGINE_POD"] == "192.0.2.9"  # type: ignore[index]
     assert [e["event"] for e in got][-2:] == ["drained", "supervisor-exit"]
+
+
+def test_argv_references_are_expanded_and_a_worker_node_is_ready_once_running(
+    tmp_path: Path,
+) -> None:
+    """A multi-node worker: ranks in argv come from the environment (as kubelet expands them
+    in a pod), and a node that serves no HTTP is ready while its process runs."""
+    log, port = tmp_path / "engine.log", free_port()
+    argv = (sys.executable, str(FAKE), "--port", str(port), "--log", "$(ENGINE_LOG)")
+    cmd = LaunchCommand(
+        argv=(*argv, "--ready-after", "$(LWS_WORKER_INDEX)0"),  # never answers in time
+        port=port,
+        serves_http=False,
+    )
+    with pytest.raises(EngineEnvError, match=r"--log: refers to \$\(ENGINE_LOG\)"):
+        EngineSupervisor(cmd, FAST, environ={"LWS_WORKER_INDEX": "9"})
+
+    async def scenario() -> None:
+        environ = {**os.environ, "ENGINE_LOG": str(log), "LWS_WORKER_INDEX": "9"}
+        async with EngineSupervisor(cmd, FAST, environ=environ) as sup:
+            await sup.wait_ready(timeout_s=2)
+            assert sup.is_ready
+            for _ in range(200):  # the expanded --log path is where the engine writes
+                if events(log):
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert next(e["event"] for e in events(log)) == "start"

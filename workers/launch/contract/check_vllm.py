@@ -18,7 +18,20 @@ own `validate(args)` passes, and the checks the parser does not make hold:
   fields; `--quantization` is in `QUANTIZATION_METHODS`; `--kv-cache-dtype` in `CacheDType`;
   the reasoning and tool-call parsers are registered;
 * every environment variable is one vLLM reads (`vllm.envs`), and reads back as rendered
-  (with `$(NAME)` expanded from the request's `environ`).
+  (with `$(NAME)` expanded from the request's `environ`);
+* the resolution pass: `EngineArgs.from_cli_args(args).create_engine_config(headless=…)`, the
+  config resolution `vllm serve` runs before it starts an engine — every `*Config`
+  validator (`ParallelConfig`, `CacheConfig`, `SchedulerConfig`, `KVTransferConfig`,
+  `CompilationConfig`, `VllmConfig.__post_init__`…), the multi-node rank checks, and the
+  model-dependent ones (heads vs TP, `max_model_len` vs the model) — against a Beam 1.0-shaped
+  config without weights (`BEAM_CONFIG_DIR`: Beam's `config.json` and a tokenizer) on vLLM's CPU
+  platform. It leaves out what needs the real checkpoint or a GPU: `--quantization` (the
+  checkpoint's `quantization_config` and GPU kernels), `--speculative-config` (the draft
+  checkpoint) and the `beam` parsers (the tokenizer's `response_template`); those are checked
+  by the registries above.
+
+`$(NAME)` references in argv (multi-node ranks) are expanded from `environ` first, as kubelet
+does in a pod.
 
 Run with VLLM_TARGET_DEVICE=cpu (without it the parser fails "Failed to infer device type").
 Diagnostics go to stderr; stdout carries only answers.
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -45,11 +59,13 @@ from vllm.config.cache import CacheDType  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: E402
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS  # noqa: E402
 from vllm.reasoning import ReasoningParserManager  # noqa: E402
 from vllm.tool_parsers import ToolParserManager  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 PARSED = (
@@ -74,7 +90,25 @@ PARSED = (
     "enable_auto_tool_choice",
     "speculative_config",
     "kv_offloading_size",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "headless",
+    "attention_backend",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_cudagraph_capture_size",
+    "enable_prompt_tokens_details",
 )
+# Left to the engine's defaults in the resolution pass (see the module docstring).
+NEUTRALIZED = {
+    "quantization": None,
+    "speculative_config": None,
+    "reasoning_parser": None,
+    "tool_call_parser": None,
+    "enable_auto_tool_choice": False,
+}
 
 
 def _flat_literal(t: Any) -> set[str]:
@@ -100,10 +134,19 @@ class Checker:
         self.cache_dtypes = _flat_literal(CacheDType)
         self.reasoning = set(ReasoningParserManager.list_registered())
         self.tools = set(ToolParserManager.list_registered())
+        self.attention_backends = {m.name for m in AttentionBackendEnum}
+        self.model_dir = os.environ.get("BEAM_CONFIG_DIR")
+        if self.model_dir is not None:  # warm up: the first resolution imports ≈ 30 s of vLLM
+            self._resolve(self.parser.parse_args(["serve", self.model_dir]), {})
 
     def check(self, req: dict[str, Any]) -> dict[str, Any]:
-        argv: list[str] = req["argv"]
+        environ: dict[str, str] = req.get("environ", {})
         problems: list[str] = []
+        try:
+            argv = [_REF.sub(lambda m: environ[m.group(1)], a) for a in req["argv"]]
+        except KeyError as exc:
+            problems.append(f"argv: refers to $({exc.args[0]}), which environ lacks")
+            return {"ok": False, "problems": problems, "parsed": {}, "env": {}}
         if argv[1:2] != ["serve"]:
             problems.append(f"argv: expected `vllm serve MODEL …`, got {argv[:3]}")
             return {"ok": False, "problems": problems, "parsed": {}, "env": {}}
@@ -120,10 +163,75 @@ class Checker:
             problems.append(f"validate: {type(exc).__name__}: {exc}")
             return {"ok": False, "problems": problems, "parsed": {}, "env": {}}
         problems += self._check_values(args)
-        env, env_problems = self._check_env(req.get("env", {}), req.get("environ", {}))
+        env, env_problems = self._check_env(req.get("env", {}), environ)
         problems += env_problems
         parsed = {k: _plain(getattr(args, k, None)) for k in PARSED}
-        return {"ok": not problems, "problems": problems, "parsed": parsed, "env": env}
+        resolved: dict[str, Any] = {}
+        if not problems:
+            resolved, resolve_problems = self._resolve(args, req.get("env", {}), environ)
+            problems += resolve_problems
+        return {
+            "ok": not problems,
+            "problems": problems,
+            "parsed": parsed,
+            "env": env,
+            "resolved": resolved,
+        }
+
+    def _resolve(
+        self,
+        args: argparse.Namespace,
+        env: dict[str, str],
+        environ: dict[str, str] | None = None,
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The resolution pass (module docstring); `resolved` holds what it settled on."""
+        if self.model_dir is None:
+            return {"ran": False}, ["resolution: BEAM_CONFIG_DIR is not set; cannot run it"]
+        ns = copy.copy(args)
+        ns.model_tag = None
+        ns.model = self.model_dir
+        for key, value in NEUTRALIZED.items():
+            setattr(ns, key, value)
+        saved = dict(os.environ)
+        try:
+            for key, value in env.items():
+                os.environ[key] = _REF.sub(lambda m: (environ or {})[m.group(1)], value)
+            with contextlib.redirect_stdout(sys.stderr):
+                cfg = EngineArgs.from_cli_args(ns).create_engine_config(
+                    headless=bool(getattr(ns, "headless", False))
+                )
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            return {"ran": True}, [f"resolution: {type(exc).__name__}: {text[:900]}"]
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        par, cache, sched = cfg.parallel_config, cfg.cache_config, cfg.scheduler_config
+        backend = cfg.attention_config.backend
+        return {
+            "ran": True,
+            "neutralized": sorted(NEUTRALIZED),
+            "world_size": par.world_size,
+            "tensor_parallel_size": par.tensor_parallel_size,
+            "data_parallel_size": par.data_parallel_size,
+            "data_parallel_size_local": par.data_parallel_size_local,
+            "nnodes": par.nnodes,
+            "node_rank": par.node_rank,
+            "master_addr": par.master_addr,
+            "master_port": par.master_port,
+            "block_size": cache.block_size,
+            "cache_dtype": str(cache.cache_dtype),
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "max_model_len": cfg.model_config.max_model_len,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_cudagraph_capture_size": cfg.compilation_config.max_cudagraph_capture_size,
+            "attention_backend": None if backend is None else backend.name,
+            "kv_connector": None
+            if cfg.kv_transfer_config is None
+            else cfg.kv_transfer_config.kv_connector,
+        }, []
 
     def _check_option_strings(self, tokens: list[str]) -> list[str]:
         out = []
@@ -140,6 +248,9 @@ class Checker:
 
     def _check_values(self, args: argparse.Namespace) -> list[str]:
         out: list[str] = []
+        backend = getattr(args, "attention_backend", None)
+        if backend is not None and str(backend).upper() not in self.attention_backends:
+            out.append(f"attention_backend: {backend!r} not in AttentionBackendEnum")
         ktc = args.kv_transfer_config
         if ktc is not None:
             if ktc.kv_connector == "MultiConnector":
@@ -163,6 +274,12 @@ class Checker:
             unknown = sorted(set(sc) - self.spec_fields)
             if unknown:
                 out.append(f"speculative_config: unknown keys {unknown}")
+            draft_backend = sc.get("attention_backend")
+            if draft_backend is not None and draft_backend not in self.attention_backends:
+                out.append(
+                    f"speculative_config.attention_backend: {draft_backend!r} not in "
+                    "AttentionBackendEnum"
+                )
             n = sc.get("num_speculative_tokens")
             if not isinstance(n, int) or n < 1:
                 out.append(f"speculative_config.num_speculative_tokens: {n!r} is not ≥ 1")
