@@ -309,6 +309,8 @@ class SessionStoreSpec(_Model):
 class DisaggregationSpec(_Model):
     """When the router sends a prefill to the prefill pool (else colocated on decode)."""
 
+    enabled: bool = True
+    """False: never disaggregate (every request prefills on its decode worker)."""
     min_uncached_tokens: Annotated[int, Field(ge=0)] = 2048
     max_cached_ratio: Annotated[float, Field(ge=0, le=1)] = 0.7
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,11 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
     p.add_argument("--prefill-timeout-s", type=float, default=30.0)
     p.add_argument("--no-debug-header", action="store_true")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE",
+                   help="RouterConfig YAML (a BeamDeployment's spec.router; the operator's "
+                   "ConfigMap): flags given on the command line override it")  # fmt: skip
+    # recorded so that --config fills only the flags left at their defaults
+    p.set_defaults(router_flag_defaults={a.dest: a.default for a in p._actions})
     return p
 
 
@@ -95,6 +101,13 @@ def _json_arg_or_name(text: str) -> Any:
 
 
 def router_main(args: argparse.Namespace) -> int:
+    from beamserve.operator.router_config import RouterConfigError, apply_router_config
+
+    try:
+        args = apply_router_config(args)
+    except RouterConfigError as exc:
+        print(f"beamserve router: {exc}", file=sys.stderr)
+        return 2
     try:
         # uvloop (libuv) runs the serving loop: the router is I/O-bound, one event loop
         # carries every client and worker connection.

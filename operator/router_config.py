@@ -1,0 +1,99 @@
+"""`beamserve router --config FILE`: a `RouterConfig` file (YAML or JSON) as the router's flags.
+
+The file is what a BeamDeployment's `spec.router` holds and what the operator writes into the
+router's ConfigMap (`api.RouterConfig`, camelCase keys, unknown keys refused). Flags given on
+the command line override it: a flag whose value still equals its parser default is filled from
+the file (so spelling a flag out with its default value does not override the file).
+
+What a file cannot carry stays a flag: the discovery source (`--kubernetes NAME`, `--endpoints`,
+`--local-runtime`), the Redis URL of a managed or secret-held store (`--redis`, which the
+operator passes from the Secret or its Redis Service), and the API keys (`--api-keys FILE`,
+mounted from `apiKeysSecretRef`). Deployment-shape fields (`replicas`, `image`, `resources`,
+`nodeSelector`) are the operator's and ignored here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from beamserve.operator.api import RouterConfig
+from pydantic import ValidationError
+
+DEFAULTS_DEST = "router_flag_defaults"
+"""The `argparse` dest where `beamserve router` records its flags' defaults."""
+
+
+class RouterConfigError(ValueError):
+    """A router config file that cannot be used; the message names the field and the fix."""
+
+
+def load_router_config(path: Path) -> RouterConfig:
+    """Parse `path` (YAML or JSON); raise `RouterConfigError` listing every problem."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RouterConfigError(f"{path}: cannot read it: {exc}") from None
+    try:
+        return RouterConfig.model_validate(raw or {}, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        lines = [
+            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+        ]
+        detail = "\n  ".join(lines)
+        raise RouterConfigError(f"{path}: invalid router config:\n  {detail}") from None
+
+
+def router_flags(config: RouterConfig) -> dict[str, Any]:
+    """The `beamserve router` argument values (argparse dests) `config` stands for."""
+    out: dict[str, Any] = {
+        "port": config.port,
+        "policy": config.policy_config if config.policy_config is not None else config.policy,
+        "disaggregation": {
+            "enabled": config.disaggregation.enabled,
+            "min_uncached_tokens": config.disaggregation.min_uncached_tokens,
+            "max_cached_ratio": config.disaggregation.max_cached_ratio,
+        },
+        "flow": {
+            "max_queued": config.flow_control.max_queued,
+            "ttl_s": config.flow_control.ttl_seconds,
+            "las_half_life_s": config.flow_control.las_half_life_seconds,
+            "retry_after_max_s": config.flow_control.retry_after_max_seconds,
+            "drain_window_s": config.flow_control.drain_window_seconds,
+        },
+        "saturation": {
+            "max_prefill_tokens": config.saturation.max_prefill_tokens,
+            "max_queue_len": config.saturation.max_queue_len,
+            "max_kv_usage": config.saturation.max_kv_usage,
+            "stale_after_s": config.saturation.stale_after_seconds,
+        },
+        "max_body_bytes": config.max_body_bytes,
+        "scrape_interval_s": config.scrape_interval_seconds,
+        "prefill_timeout_s": config.prefill_timeout_seconds,
+    }
+    if config.grpc_port is not None:
+        out["grpc_port"] = config.grpc_port
+    if config.session_store.type == "external" and config.session_store.url is not None:
+        out["redis"] = config.session_store.url
+    return out
+
+
+def apply_router_config(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every flag left at its default taken from `args.config` (when set)."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    defaults: dict[str, Any] = getattr(args, DEFAULTS_DEST, None) or {}
+    merged = argparse.Namespace(**vars(args))
+    for dest, value in router_flags(load_router_config(Path(path))).items():
+        if dest not in defaults or getattr(args, dest, None) == defaults[dest]:
+            setattr(merged, dest, value)
+    return merged
+
+
+def dump_router_config(config: RouterConfig) -> str:
+    """The ConfigMap's file: `config` as JSON (YAML's subset), camelCase, defaults included."""
+    return json.dumps(config.to_json_dict(), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,86 @@
+"""`beamserve router --config FILE`: the BeamDeployment's `spec.router` as the router's flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from beamserve.operator.api import BeamDeploymentSpec, RouterConfig
+from beamserve.operator.router_config import (
+    RouterConfigError,
+    apply_router_config,
+    dump_router_config,
+    load_router_config,
+    router_flags,
+)
+from beamserve.router.flow.controller import FlowConfig
+from beamserve.router.flow.saturation import SaturationConfig
+from beamserve.router.policy import build_policy
+from beamserve.router.policy.disagg import ConditionalDisaggregation
+
+from beamserve.cli import build_parser
+
+CONFIG = {
+    "port": 9000,
+    "grpcPort": 9002,
+    "policy": "weighted",
+    "flowControl": {"maxQueued": 100, "ttlSeconds": 5},
+    "disaggregation": {"minUncachedTokens": 4096},
+    "sessionStore": {"type": "external", "url": "redis://redis:6379/0"},
+    "replicas": 2,
+}
+
+
+def _args(tmp_path: Path, *flags: str) -> object:
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    argv = ["router", "--endpoints", "[]", "--config", str(path), *flags]
+    return apply_router_config(build_parser().parse_args(argv))
+
+
+def test_the_file_fills_the_flags(tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    assert args.port == 9000 and args.grpc_port == 9002  # type: ignore[attr-defined]
+    assert args.policy == "weighted"  # type: ignore[attr-defined]
+    assert args.redis == "redis://redis:6379/0"  # type: ignore[attr-defined]
+    assert args.flow["max_queued"] == 100  # type: ignore[attr-defined]
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--port", "9100", "--policy", "round-robin", "--redis", "redis://x")
+    assert args.port == 9100  # type: ignore[attr-defined]
+    assert args.policy == "round-robin"  # type: ignore[attr-defined]
+    assert args.redis == "redis://x"  # type: ignore[attr-defined]
+    assert args.flow["ttl_s"] == 5  # type: ignore[attr-defined]
+
+
+def test_the_router_accepts_what_the_file_becomes() -> None:
+    flags = router_flags(RouterConfig.model_validate(CONFIG))
+    FlowConfig.from_mapping(flags["flow"])
+    SaturationConfig.from_mapping(flags["saturation"])
+    ConditionalDisaggregation.from_params(flags["disaggregation"])
+    build_policy(flags["policy"])
+
+
+def test_the_crd_section_is_the_file(tmp_path: Path) -> None:
+    spec = BeamDeploymentSpec.model_validate(
+        {"model": {"source": {"hostPath": {"path": "/m"}}}, "engine": {"name": "sim"},
+         "both": {}, "router": CONFIG}
+    )  # fmt: skip
+    path = tmp_path / "configmap.json"
+    path.write_text(dump_router_config(spec.router))
+    assert load_router_config(path) == spec.router
+
+
+def test_bad_files_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("flowControl: {maxQueue: 3}\n")
+    with pytest.raises(RouterConfigError, match=r"flowControl\.maxQueue"):
+        load_router_config(path)
+    path.write_text("port: '80'\n")
+    with pytest.raises(RouterConfigError, match="port"):
+        load_router_config(path)
+    from beamserve.cli import main
+
+    assert main(["router", "--endpoints", "[]", "--config", str(path)]) == 2
