@@ -94,6 +94,7 @@ lint: install
 crd:
 	$(VENV)/bin/beamserve crd > manifests/crd.yaml
 	cp manifests/crd.yaml charts/beamserve/crds/beamdeployments.beamserve.io.yaml
+	$(VENV)/bin/beamserve crd --update-docs docs/kubernetes.md
 	$(PY) scripts/beampool_crd.py
 
 bench: install

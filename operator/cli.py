@@ -32,13 +32,22 @@ def add_operator_commands(sub: Any) -> None:
         "crd",
         help="print the BeamDeployment CustomResourceDefinition (YAML)",
         description="The CRD generated from the API models; `beamserve crd > manifests/crd.yaml`.",
-    ).add_argument("--no-cel", action="store_true", help="leave out the CEL rules (for ≤ 1.24)")
+    )
+    c = sub.choices["crd"]
+    c.add_argument("--no-cel", action="store_true", help="leave out the CEL rules (for ≤ 1.24)")
+    c.add_argument("--update-docs", type=Path, default=None, metavar="MD",
+                   help="rewrite the generated API reference blocks of this Markdown file "
+                   "(docs/kubernetes.md) instead of printing the CRD")  # fmt: skip
 
 
 def operator_main(args: argparse.Namespace) -> int:
     if args.command == "crd":
         from beamserve.operator import crd
 
+        if args.update_docs is not None:
+            path = args.update_docs
+            path.write_text(crd.with_generated_docs(path.read_text()))
+            return 0
         if args.no_cel:
             text = crd.HEADER + yaml.safe_dump(crd.crd_without_cel(), sort_keys=False, width=100)
         else:

@@ -143,3 +143,9 @@ def test_cli_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert yaml.safe_load(out)["kind"] == "CustomResourceDefinition"
     assert main(["crd", "--no-cel"]) == 0
     assert "x-kubernetes-validations" not in capsys.readouterr().out
+
+
+def test_docs_reference_matches_the_models() -> None:
+    path = S.REPO / "docs" / "kubernetes.md"
+    text = path.read_text()
+    assert crd.with_generated_docs(text) == text, "docs/kubernetes.md drifted: run make crd"
