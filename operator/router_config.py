@@ -5,8 +5,10 @@ router's ConfigMap (`api.RouterConfig`, camelCase keys, unknown keys refused). F
 the command line override it: a flag whose value still equals its parser default is filled from
 the file (so spelling a flag out with its default value does not override the file).
 
-What a file cannot carry stays a flag: the discovery source (`--kubernetes NAME`, `--endpoints`,
-`--local-runtime`), the Redis URL of a managed or secret-held store (`--redis`, which the
+The file may also name the served model (`servedModelName`) and the namespace the workers
+are discovered in (`discovery.kubernetes`: `deployment` must agree with `--kubernetes`, which
+stays a flag, as do `--endpoints` and `--local-runtime`). What a file cannot carry stays a
+flag: the Redis URL of a managed or secret-held store (`--redis`, which the
 operator passes from the Secret or its Redis Service), and the API keys (`--api-keys FILE`,
 mounted from `apiKeysSecretRef`). Deployment-shape fields (`replicas`, `image`, `resources`,
 `nodeSelector`) are the operator's and ignored here.
@@ -20,25 +22,42 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from beamserve.operator.api import RouterConfig
+from beamserve.operator.api import RouterConfig, _Model
 from pydantic import ValidationError
 
 DEFAULTS_DEST = "router_flag_defaults"
 """The `argparse` dest where `beamserve router` records its flags' defaults."""
 
 
+class KubernetesDiscoverySpec(_Model):
+    deployment: str
+    namespace: str | None = None
+
+
+class DiscoverySpec(_Model):
+    kubernetes: KubernetesDiscoverySpec | None = None
+
+
+class RouterConfigFile(RouterConfig):
+    """The file: a `RouterConfig` plus what the operator knows beyond `spec.router` (where the
+    workers are, the served model name). The Deployment-shape fields may be left out."""
+
+    discovery: DiscoverySpec | None = None
+    served_model_name: str | list[str] | None = None
+
+
 class RouterConfigError(ValueError):
     """A router config file that cannot be used; the message names the field and the fix."""
 
 
-def load_router_config(path: Path) -> RouterConfig:
+def load_router_config(path: Path) -> RouterConfigFile:
     """Parse `path` (YAML or JSON); raise `RouterConfigError` listing every problem."""
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise RouterConfigError(f"{path}: cannot read it: {exc}") from None
     try:
-        return RouterConfig.model_validate(raw or {}, by_alias=True, by_name=False)
+        return RouterConfigFile.model_validate(raw or {}, by_alias=True, by_name=False)
     except ValidationError as exc:
         lines = [
             f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
@@ -78,6 +97,13 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
         out["grpc_port"] = config.grpc_port
     if config.session_store.type == "external" and config.session_store.url is not None:
         out["redis"] = config.session_store.url
+    if isinstance(config, RouterConfigFile):
+        if config.served_model_name is not None:
+            names = config.served_model_name
+            out["served_model_name"] = [names] if isinstance(names, str) else list(names)
+        kube = config.discovery.kubernetes if config.discovery is not None else None
+        if kube is not None and kube.namespace is not None:
+            out["namespace"] = kube.namespace
     return out
 
 
@@ -88,7 +114,14 @@ def apply_router_config(args: argparse.Namespace) -> argparse.Namespace:
         return args
     defaults: dict[str, Any] = getattr(args, DEFAULTS_DEST, None) or {}
     merged = argparse.Namespace(**vars(args))
-    for dest, value in router_flags(load_router_config(Path(path))).items():
+    config = load_router_config(Path(path))
+    kube = config.discovery.kubernetes if config.discovery is not None else None
+    if kube is not None and kube.deployment != getattr(args, "kubernetes", None):
+        raise RouterConfigError(
+            f"{path}: discovery.kubernetes.deployment is {kube.deployment!r} but the router "
+            f"was started with --kubernetes {getattr(args, 'kubernetes', None)!r}; make them agree"
+        )
+    for dest, value in router_flags(config).items():
         if dest not in defaults or getattr(args, dest, None) == defaults[dest]:
             setattr(merged, dest, value)
     return merged

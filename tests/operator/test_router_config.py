@@ -70,7 +70,8 @@ def test_the_crd_section_is_the_file(tmp_path: Path) -> None:
     )  # fmt: skip
     path = tmp_path / "configmap.json"
     path.write_text(dump_router_config(spec.router))
-    assert load_router_config(path) == spec.router
+    loaded = load_router_config(path)
+    assert RouterConfig.model_validate(loaded.to_json_dict()) == spec.router
 
 
 def test_bad_files_name_the_field(tmp_path: Path) -> None:
@@ -84,3 +85,25 @@ def test_bad_files_name_the_field(tmp_path: Path) -> None:
     from beamserve.cli import main
 
     assert main(["router", "--endpoints", "[]", "--config", str(path)]) == 2
+
+
+def test_the_operators_configmap_loads(tmp_path: Path) -> None:
+    """What desired_objects writes into the router's ConfigMap is what --config reads."""
+    from beamserve.operator.api import BeamDeployment
+    from beamserve.operator.desired import router_config_dict
+
+    bd = BeamDeployment.model_validate(
+        {"metadata": {"name": "beam", "namespace": "ns"},
+         "spec": {"model": {"source": {"hostPath": {"path": "/m"}}, "servedName": "b1"},
+                  "engine": {"name": "sim"}, "both": {}, "router": CONFIG}}
+    )  # fmt: skip
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(router_config_dict(bd, "ns")))
+    argv = ["router", "--kubernetes", "beam", "--config", str(path)]
+    args = apply_router_config(build_parser().parse_args(argv))
+    assert args.served_model_name == ["b1"]  # type: ignore[attr-defined]
+    assert args.namespace == "ns"  # type: ignore[attr-defined]
+    assert args.port == 9000  # type: ignore[attr-defined]
+    other = ["router", "--kubernetes", "other", "--config", str(path)]
+    with pytest.raises(RouterConfigError, match="--kubernetes"):
+        apply_router_config(build_parser().parse_args(other))
