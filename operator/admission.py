@@ -42,6 +42,7 @@ from beamserve.operator.pools import (
 )
 from beamserve.workers.launch import LaunchError, PoolSpecError, check_pair_compat
 from beamserve.workers.launch import Parallelism as LaunchParallelism
+from beamserve.workers.launch.hardware import GENERATION
 from pydantic import BaseModel, ValidationError
 
 
@@ -59,6 +60,11 @@ class Violation:
 
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+_RESOURCE_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _SPREAD_KEYS = {
     "maxSkew",
@@ -258,6 +264,8 @@ def _spec_problems(spec: BeamDeploymentSpec) -> list[Violation]:
     if spec.prefill is not None and spec.decode is not None:
         out += _pair_problems(spec, spec.prefill, spec.decode)
     out += _router_problems(spec)
+    out += _reference_problems(spec)
+    out += _cpu_engine_problems(spec)
     out += _rollout_problems(spec)
     out += _labels("spec.monitoring.labels", spec.monitoring.labels)
     taken = {v.path for v in out}
@@ -824,6 +832,73 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
         out.append(
             Violation(f"spec.router.resources.{k}", f"unknown; valid: {sorted(_RESOURCE_KEYS)}")
         )
+    return out
+
+
+def _reference_problems(spec: BeamDeploymentSpec) -> list[Violation]:
+    """Names of the objects the spec refers to, images, resource names, GPU generations."""
+    refs: list[tuple[str, str | None]] = []
+    for base, src in (("spec.model.source", spec.model.source),) + (
+        (("spec.model.draft.source", spec.model.draft.source),) if spec.model.draft else ()
+    ):
+        if src.pvc is not None:
+            refs.append((f"{base}.pvc.claimName", src.pvc.claim_name))
+        if src.download is not None:
+            refs.append((f"{base}.download.storageClassName", src.download.storage_class_name))
+            refs.append((f"{base}.download.credentialsSecret", src.download.credentials_secret))
+    store, router = spec.router.session_store, spec.router
+    if store.url_secret_ref is not None:
+        refs.append(("spec.router.sessionStore.urlSecretRef.name", store.url_secret_ref.name))
+    if router.api_keys_secret_ref is not None:
+        refs.append(("spec.router.apiKeysSecretRef.name", router.api_keys_secret_ref.name))
+    out = [
+        Violation(path, f"{name!r} is not an object name (lowercase DNS subdomain: a-z, 0-9, "
+                  "'-', '.'); fix it")
+        for path, name in refs
+        if name is not None and (len(name) > 253 or not _DNS_SUBDOMAIN.match(name))
+    ]  # fmt: skip
+    images = [("spec.engine.image", spec.engine.image), ("spec.router.image", router.image)]
+    if store.redis is not None:
+        images.append(("spec.router.sessionStore.redis.image", store.redis.image))
+    for src_path, src in (("spec.model.source", spec.model.source),):
+        if src.download is not None:
+            images.append((f"{src_path}.download.image", src.download.image))
+    for path, image in images:
+        if image is not None and not _IMAGE.match(image):
+            out.append(Violation(path, f"{image!r} is not an image reference "
+                                 "(registry/name[:tag][@digest], no spaces); fix it"))  # fmt: skip
+    for role, pool in spec.pools().items():
+        if not _RESOURCE_NAME.match(pool.gpu_resource):
+            out.append(Violation(f"spec.{role}.gpuResource", f"{pool.gpu_resource!r} is not a "
+                                 "resource name (e.g. nvidia.com/gpu); fix it"))  # fmt: skip
+        gpu = pool.tuning.gpu
+        if spec.model.format == "nvfp4" and gpu is not None and GENERATION[gpu] != "blackwell":
+            out.append(Violation(f"spec.{role}.tuning.gpu", f"{gpu} is a {GENERATION[gpu]} GPU "
+                                 "and cannot run NVFP4 weights (Blackwell only); use fp8 or "
+                                 "bf16 weights, or Blackwell GPUs"))  # fmt: skip
+    if spec.monitoring.interval.startswith("0") and not spec.monitoring.interval.strip("0msh"):
+        out.append(Violation("spec.monitoring.interval", "must be longer than 0; e.g. 15s"))
+    return out
+
+
+def _cpu_engine_problems(spec: BeamDeploymentSpec) -> list[Violation]:
+    """What the sim and ref engines (`beamserve worker`) have no setting for."""
+    e = spec.engine.name
+    if e in GPU_ENGINES:
+        return []
+    out: list[Violation] = []
+    if spec.model.format != "bf16":
+        out.append(Violation("spec.model.format", f"engine {e} loads bf16 checkpoints only; set "
+                             "format bf16"))  # fmt: skip
+    for role in spec.pools():
+        if spec.kv_dtype(role) != "bf16":
+            pool = getattr(spec, role)
+            path = f"spec.{role}.kv.dtype" if pool.kv.dtype is not None else "spec.kv.dtype"
+            out.append(Violation(path, f"engine {e} keeps its KV in bf16; set dtype bf16"))
+            break
+    if not spec.kv.prefix_caching:
+        out.append(Violation("spec.kv.prefixCaching", f"engine {e} always caches prefixes; "
+                             "remove prefixCaching"))  # fmt: skip
     return out
 
 

@@ -218,6 +218,22 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "strategy": "weighted"}}), "spec.router.policyConfig"),
     ("invalid policyConfig", S.disagg(router={"policyConfig": {"scorers": [{"type": "nope"}]}}),
      "spec.router.policyConfig"),
+    # references, images, hardware
+    ("claim name not an object name", S.disagg(model={"source": {"hostPath": D, "pvc": {
+        "claimName": "Beam_Weights"}}}), "spec.model.source.pvc.claimName"),
+    ("secret name not an object name", S.disagg(router={"apiKeysSecretRef": {
+        "name": "Keys!", "key": "k"}}), "spec.router.apiKeysSecretRef.name"),
+    ("image with a space", S.disagg(engine={"image": "lmsysorg/sglang v1"}), "spec.engine.image"),
+    ("bad GPU resource name", S.disagg(decode={"gpuResource": "nvidia gpu"}),
+     "spec.decode.gpuResource"),
+    ("NVFP4 on Hopper", S.disagg(model={"format": "nvfp4"}, decode={"tuning": {"gpu": "h200"}}),
+     "spec.decode.tuning.gpu"),
+    ("monitoring interval 0", S.disagg(monitoring={"interval": "0s"}),
+     "spec.monitoring.interval"),
+    ("ref with fp8 weights", S.merge(_sim(model={"format": "fp8"}), {"engine": {"name": "ref"}}),
+     "spec.model.format"),
+    ("sim with fp8 KV", _sim(kv={"dtype": "fp8_e4m3"}), "spec.kv.dtype"),
+    ("sim without prefix caching", _sim(kv={"prefixCaching": False}), "spec.kv.prefixCaching"),
     # rollout
     ("no rollout progress", S.disagg(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
      "spec.rollout.maxSurge"),
