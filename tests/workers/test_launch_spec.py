@@ -356,3 +356,10 @@ def test_nodes_validity_is_exactly_the_rule(engine: str, tp: int, nodes: int) ->
         valid = False
         assert all(line.startswith("parallel.nodes: ") for line in exc.problems), exc.problems
     assert valid == (tp % nodes == 0)
+
+
+def test_spec_stays_hashable_with_extra_env() -> None:
+    a = PoolSpec.parse({**MINIMAL, "env": {"SGLANG_LOG_MS": "1"}})
+    b = PoolSpec.parse({**MINIMAL, "env": {"SGLANG_LOG_MS": "1"}})
+    assert a == b and len({a, b}) == 1
+    assert hash(a) != hash(PoolSpec.parse(MINIMAL))

@@ -231,6 +231,10 @@ class PoolSpec(_Strict):
     """Extra environment for the engine (e.g. benchmark switches); may not repeat a variable
     the renderer sets."""
 
+    def __hash__(self) -> int:
+        # frozen, but `env` is a dict: hash the canonical dump instead of the field values
+        return hash(self.model_dump_json())
+
     @property
     def disaggregated(self) -> bool:
         return self.role != "both"

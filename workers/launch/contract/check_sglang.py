@@ -24,8 +24,9 @@ order (read from its source), on a `ServerArgs` prepared as `resolve_once` prepa
 full pass cannot run here: the pipeline module, and the hooks that need the checkpoint's config
 (`model_config_of`, `transformers`) or GPU kernels, import packages this parser-only venv lacks
 (transformers, safetensors, huggingface_hub, tvm_ffi, sentencepiece). Those imports are
-stubbed (below the part under test): any *use* of a stub, and any call of `model_config_of`,
-raises `NeedsCheckpoint`, and that hook is reported as skipped, never as passed. Every other
+stubbed (below the part under test): any *use* of a stub, any call of `model_config_of`, and
+the RDMA-device probe `validate_ib_devices` (it reads this machine's /sys) raise
+`NeedsCheckpoint`, and that hook is reported as skipped, never as passed. Every other
 hook runs for real (`handle_pd_disaggregation`, `handle_hicache`,
 `handle_cache_compatibility`, `handle_unified_memory_pool`, `validate_prefill_decode_interval`,
 …); an exception from one is a refusal. The answer's `resolution` lists what ran and what was
