@@ -25,8 +25,11 @@ from beamserve.operator.api import (
     GPU_ENGINES,
     KIND,
     BeamDeploymentSpec,
+    EngineSpec,
+    KVSpec,
     PoolRole,
     PoolSpec,
+    RouterConfig,
 )
 from beamserve.operator.naming import name_problems
 from beamserve.operator.pools import (
@@ -125,6 +128,12 @@ def parse_spec(raw: Any) -> tuple[BeamDeploymentSpec | None, list[Violation]]:
         return BeamDeploymentSpec.model_validate(raw, by_alias=True, by_name=False), []
     except ValidationError as exc:
         return None, _explain(exc)
+
+
+def _default(model: type[BaseModel], field: str) -> Any:
+    """A field's default: rules about "set" fields compare with it, as the API server stores
+    every default (a webhook sees them all)."""
+    return model.model_fields[field].default
 
 
 def _is_object(obj: Mapping[str, Any]) -> bool:
@@ -372,15 +381,15 @@ def _engine_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 "vllm/vllm-openai:v0.33.0)",
             )
         )
-    if gpu and "api" in e.model_fields_set and e.api != e.name:
+    if e.name == "vllm" and e.api != "vllm":
         out.append(
             Violation(
                 "spec.engine.api",
-                f"{e.name} serves its own HTTP surface; remove "
-                "api (it picks the surface of the sim and ref engines)",
+                "vLLM serves its own HTTP surface; remove api (it picks the surface of the "
+                "sim and ref engines)",
             )
         )
-    if e.name != "sim" and "sim_profile" in e.model_fields_set:
+    if e.name != "sim" and e.sim_profile != _default(EngineSpec, "sim_profile"):
         out.append(
             Violation(
                 "spec.engine.simProfile",
@@ -395,7 +404,7 @@ def _engine_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 "line; remove it and set UCX_NET_DEVICES in engine.extraEnv",
             )
         )
-    if "on_load_failure" in spec.kv.model_fields_set and e.name != "vllm":
+    if spec.kv.on_load_failure != _default(KVSpec, "on_load_failure") and e.name != "vllm":
         out.append(
             Violation(
                 "spec.kv.onLoadFailure",
@@ -813,7 +822,7 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
             )
         )
     if r.policy_config is not None:
-        if "policy" in r.model_fields_set:
+        if r.policy != _default(RouterConfig, "policy"):
             out.append(
                 Violation(
                     "spec.router.policyConfig",

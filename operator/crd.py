@@ -267,6 +267,8 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], field: str | None) -
         ref = defs[node.pop("$ref").rsplit("/", 1)[1]]
         node = {**copy.deepcopy(ref), **node}
     node.pop("title", None)
+    if node.get("default") == "":
+        node.pop("default")  # absent is the same, and 1.20's CRD validation refuses it
     if "anyOf" in node:
         branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
         if node.get("default", 0) is None:

@@ -86,7 +86,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     # engine
     ("sglang without image", S.disagg(engine={"image": D}), "spec.engine.image"),
     ("vllm without image", S.aggregated(engine={"image": D}), "spec.engine.image"),
-    ("api on sglang", S.disagg(engine={"api": "vllm"}), "spec.engine.api"),
+    ("sglang api on vllm", S.aggregated(engine={"api": "sglang"}), "spec.engine.api"),
     ("sim profile on vllm", S.aggregated(engine={"simProfile": "h200"}),
      "spec.engine.simProfile"),
     ("ib device on vllm", S.aggregated(kv={"ibDevice": "mlx5_0"}), "spec.kv.ibDevice"),
