@@ -306,6 +306,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], field: str | None) -
         )
     if kind == "array":
         node["items"] = _structural(node.get("items", {}), defs, field)
+        if field == "conditions":
+            # one condition per type, merged by type under server-side apply
+            node["x-kubernetes-list-type"] = "map"
+            node["x-kubernetes-list-map-keys"] = ["type"]
         if node.get("default") == []:
             node.pop("default")
     if kind == "object" and "properties" in node:
