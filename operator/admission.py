@@ -679,6 +679,7 @@ def _passthrough_problems(p: str, pool: PoolSpec) -> list[Violation]:
     ):
         for k in set(free or {}) - keys:
             out.append(Violation(f"{p}.{name}.{k}", f"unknown field; valid: {sorted(keys)}"))
+    out += _resource_problems(f"{p}.resources", pool.resources)
     limits = (pool.resources or {}).get("limits") or {}
     if isinstance(limits, Mapping) and pool.gpu_resource in limits:
         out.append(
@@ -696,6 +697,57 @@ def _passthrough_problems(p: str, pool: PoolSpec) -> list[Violation]:
             )
         )
     return out
+
+
+def _resource_problems(path: str, resources: Mapping[str, Any] | None) -> list[Violation]:
+    """`requests` / `limits`: maps of quantities, each request at most its limit."""
+    out: list[Violation] = []
+    parsed: dict[str, dict[str, float]] = {}
+    for section in ("requests", "limits"):
+        values = (resources or {}).get(section)
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            out.append(Violation(f"{path}.{section}", "must map resource names to quantities"))
+            continue
+        parsed[section] = {}
+        for name, q in values.items():
+            number = _quantity(q)
+            if number is None:
+                out.append(Violation(f"{path}.{section}[{name!r}]", f"{q!r} is not a quantity "
+                                     "(e.g. 8, 500m, 64Gi); fix it"))  # fmt: skip
+            else:
+                parsed[section][str(name)] = number
+    raw = resources or {}
+    for name, req in parsed.get("requests", {}).items():
+        lim = parsed.get("limits", {}).get(name)
+        if lim is not None and req > lim:
+            out.append(
+                Violation(
+                    f"{path}.requests[{name!r}]",
+                    f"request {raw['requests'][name]!r} exceeds its limit "
+                    f"{raw['limits'][name]!r}; lower the request or raise the limit",
+                )
+            )
+    return out
+
+
+_QUANTITY = re.compile(r"^([+-]?[0-9]+(?:\.[0-9]+)?)(m|k|Ki|Mi|Gi|Ti|Pi|Ei|M|G|T|P|E|[eE][0-9]+)?$")
+
+
+def _quantity(q: Any) -> float | None:
+    """A Kubernetes quantity as a number (None: not one)."""
+    if isinstance(q, bool):
+        return None
+    if isinstance(q, int | float):
+        return float(q)
+    m = _QUANTITY.match(q) if isinstance(q, str) else None
+    if m is None:
+        return None
+    unit = m.group(2) or ""
+    if unit[:1] in ("e", "E"):
+        return float(m.group(1)) * 10 ** int(unit[1:])
+    return float(m.group(1)) * _UNITS[unit]
 
 
 def _extra_arg_problems(
@@ -837,6 +889,7 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
             out.append(Violation("spec.router.policyConfig", f"{exc}"))
     for key, value in r.node_selector.items():
         out += _label_problems("spec.router.nodeSelector", key, value)
+    out += _resource_problems("spec.router.resources", r.resources)
     for k in set(r.resources or {}) - _RESOURCE_KEYS:
         out.append(
             Violation(f"spec.router.resources.{k}", f"unknown; valid: {sorted(_RESOURCE_KEYS)}")
@@ -885,7 +938,7 @@ def _reference_problems(spec: BeamDeploymentSpec) -> list[Violation]:
             out.append(Violation(f"spec.{role}.tuning.gpu", f"{gpu} is a {GENERATION[gpu]} GPU "
                                  "and cannot run NVFP4 weights (Blackwell only); use fp8 or "
                                  "bf16 weights, or Blackwell GPUs"))  # fmt: skip
-    if spec.monitoring.interval.startswith("0") and not spec.monitoring.interval.strip("0msh"):
+    if not any(c in "123456789" for c in spec.monitoring.interval):
         out.append(Violation("spec.monitoring.interval", "must be longer than 0; e.g. 15s"))
     return out
 
@@ -1061,7 +1114,7 @@ def _update_problems(old: BeamDeploymentSpec, new: BeamDeploymentSpec) -> list[V
     return out
 
 
-_UNITS = {"": 1, **{u: 1000**i for i, u in enumerate("kMGTPE", 1)}}
+_UNITS: dict[str, float] = {"": 1, "m": 1e-3, **{u: 1000**i for i, u in enumerate("kMGTPE", 1)}}
 _UNITS |= {f"{u}i": 1024**i for i, u in enumerate("KMGTPE", 1)}
 
 

@@ -49,8 +49,15 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 Quantity = Annotated[
     str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$", min_length=1)
 ]
-# Prometheus durations as the Prometheus operator takes them ("15s", "1m", "500ms").
-Duration = Annotated[str, Field(pattern=r"^[0-9]+(ms|s|m|h)$")]
+# Prometheus durations, the Prometheus operator's own pattern ("15s", "1m30s", "500ms").
+Duration = Annotated[
+    str,
+    Field(
+        pattern=r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+        r"(([0-9]+)ms)?)$",
+        min_length=1,
+    ),
+]
 # `maxUnavailable` / `maxSurge`: a count or a percentage (Kubernetes IntOrString).
 IntOrPercent = int | Annotated[str, Field(pattern=r"^[0-9]{1,3}%$")]
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]

@@ -194,6 +194,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.decode.resources.limit"),
     ("GPU limit by hand", S.disagg(decode={"resources": {"limits": {"nvidia.com/gpu": 4}}}),
      "spec.decode.resources.limits"),
+    ("bad resource quantity", S.disagg(decode={"resources": {"requests": {"cpu": "lots"}}}),
+     "spec.decode.resources.requests['cpu']"),
+    ("request over limit", S.disagg(decode={"resources": {"requests": {"memory": "2Gi"},
+     "limits": {"memory": "1Gi"}}}), "spec.decode.resources.requests['memory']"),
+    ("router request over limit", S.disagg(router={"resources": {"requests": {"cpu": "2"},
+     "limits": {"cpu": "500m"}}}), "spec.router.resources.requests['cpu']"),
     ("pod template typo", S.disagg(decode={"podTemplate": {"specs": {}}}),
      "spec.decode.podTemplate.specs"),
     ("bad node selector key", S.disagg(decode={"nodeSelector": {"-bad": "x"}}),
@@ -281,6 +287,9 @@ def test_invalid_spec_names_the_field(spec: dict[str, Any], path: str) -> None:
         S.disagg(engine={"name": "vllm", "image": "v"}, kv={"onLoadFailure": "fail"}),
         S.disagg(engine={"extraArgs": ["--enable-torch-compile"], "extraEnv": [{"name": "A"}]}),
         S.disagg(rollout={"maxSurge": "25%", "maxUnavailable": 0}),
+        S.disagg(monitoring={"interval": "1m30s"}),
+        S.disagg(decode={"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},
+                                       "limits": {"cpu": 2, "memory": "1e11"}}}),
     ],
 )  # fmt: skip
 def test_valid_specs_pass(spec: dict[str, Any]) -> None:
