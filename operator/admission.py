@@ -746,7 +746,7 @@ def _quantity(q: Any) -> float | None:
         return None
     unit = m.group(2) or ""
     if unit[:1] in ("e", "E"):
-        return float(m.group(1)) * 10 ** int(unit[1:])
+        return float(m.group(1)) * 10.0 ** int(unit[1:])
     return float(m.group(1)) * _UNITS[unit]
 
 
