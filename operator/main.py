@@ -110,6 +110,8 @@ def build_registry(reconciler: Any, *, drain_poll_s: float, webhook: bool) -> ko
             from beamserve.operator.admission import validate, validate_update
 
             new, old, operation = dict(kw["body"]), kw.get("old"), kw.get("operation")
+            new = without_defaults(new)
+            old = without_defaults(dict(old)) if old else None
             problems = (
                 validate_update(dict(old), new) if operation == "UPDATE" and old else validate(new)
             )
@@ -117,6 +119,44 @@ def build_registry(reconciler: Any, *, drain_poll_s: float, webhook: bool) -> ko
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
     return registry
+
+
+def without_defaults(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` without the fields whose value is the CRD schema's default for them.
+
+    The API server applies the schema's defaults before it calls the webhook, so a field the
+    user never wrote arrives set; admission rules that refuse a field *set* where it does not
+    apply (`spec.kv.onLoadFailure` for a non-vLLM engine …) would refuse every object. A field
+    equal to its default means nothing more than the default, so dropping it loses nothing.
+    """
+    import copy
+
+    from beamserve.operator import crd
+
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    out = copy.deepcopy(obj)
+    spec = out.get("spec")
+    if isinstance(spec, dict):
+        _drop_defaults(spec, schema["properties"]["spec"])
+    return out
+
+
+def _drop_defaults(node: Any, schema: dict[str, Any]) -> None:
+    if isinstance(node, dict):
+        props = schema.get("properties") or {}
+        for key in list(node):
+            sub = props.get(key)
+            if sub is None:
+                continue
+            if "default" in sub and node[key] == sub["default"]:
+                del node[key]
+                continue
+            _drop_defaults(node[key], sub)
+            if isinstance(node[key], dict) and not node[key] and sub.get("default") == {}:
+                del node[key]
+    elif isinstance(node, list) and isinstance(schema.get("items"), dict):
+        for item in node:
+            _drop_defaults(item, schema["items"])
 
 
 def self_signed_cert(host: str, directory: Path) -> tuple[Path, Path]:
@@ -184,6 +224,8 @@ def operator_main(args: argparse.Namespace) -> int:
     from kubernetes import config as k8s_config
     from kubernetes.dynamic import DynamicClient
 
+    # kopf logs through the standard library (handler failures, API retries)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.kubeconfig is not None:
         os.environ["KUBECONFIG"] = str(args.kubeconfig)
         k8s_config.load_kube_config(config_file=str(args.kubeconfig))  # type: ignore[no-untyped-call]

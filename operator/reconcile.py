@@ -265,8 +265,8 @@ class Reconciler:
             wanted = {
                 "replicas": pool_status.get("replicas", 0),
                 "readyReplicas": pool_status.get("readyReplicas", 0),
-                "selector": pool_status.get("selector", ""),
-                "revision": status.get("updateRevision", ""),
+                "selector": pool_status.get("selector") or "-",
+                "revision": status.get("updateRevision") or "-",
             }
             name = child_name(bd.metadata.name, role)
             try:
@@ -451,7 +451,7 @@ class Reconciler:
                     "Degraded",
                     bool(failing),
                     "ProgressDeadlineExceeded" if failing else "AsExpected",
-                    "; ".join(failing),
+                    "; ".join(failing) or "no pool is failing",
                 )
             )
         prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
@@ -509,7 +509,8 @@ def contains(live: Any, want: Any) -> bool:
     if isinstance(want, Mapping):
         if not isinstance(live, Mapping):
             return False
-        return all(k in live and contains(live[k], v) for k, v in want.items()) or (
+        # a zero value the server leaves out (`omitempty`) is there
+        return all(contains(live[k], v) if k in live else _is_zero(v) for k, v in want.items()) or (
             not want and not live
         )
     if isinstance(want, list):
@@ -525,6 +526,10 @@ def contains(live: Any, want: Any) -> bool:
     ):
         return str(live) == str(want)
     return bool(live == want)
+
+
+def _is_zero(value: Any) -> bool:
+    return value is False or value == 0 or value in ("", [], {})
 
 
 def _ready(w: Object | None) -> bool:
