@@ -104,15 +104,18 @@ def test_rbac_is_least_privilege() -> None:
     assert granted[("beamserve.io", "beamdeployments/status")] == {"patch"}
     assert granted[("apps", "deployments")] == {"get", "list", "watch", "create", "patch", "delete"}
     assert "update" not in set().union(*granted.values())
-    hook = [
-        o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("webhook")
+    (cluster,) = [
+        o
+        for o in objs
+        if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "beam-operator-cluster"
     ]
-    assert hook[0]["rules"][0]["resourceNames"] == ["beam-webhook.beamserve.io"]
+    assert cluster["rules"][0]["verbs"] == ["list", "watch"]  # CRDs: read-only
+    assert cluster["rules"][1]["resourceNames"] == ["beam-webhook.beamserve.io"]
+    assert cluster["rules"][1]["verbs"] == ["get", "patch"]
     scoped = template("operator.watchNamespace=serving")
     assert {o["kind"] for o in scoped if "Role" in o["kind"]} >= {"Role", "RoleBinding"}
-    assert rules(scoped, "Role") == {
-        k: v for k, v in granted.items() if k[1] != "validatingwebhookconfigurations"
-    }
+    cluster_scoped = {"validatingwebhookconfigurations", "customresourcedefinitions"}
+    assert rules(scoped, "Role") == {k: v for k, v in granted.items() if k[1] not in cluster_scoped}
 
 
 def test_webhook_points_at_the_operator_and_leaves_ca_bundle_to_it() -> None:
