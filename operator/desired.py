@@ -608,19 +608,22 @@ class _Context:
     def router_args(self) -> tuple[list[str], list[Object]]:
         r = self.spec.router
         argv = ["beamserve", "router", "--kubernetes", self.name, "--namespace", self.namespace]
-        argv += ["--host", "0.0.0.0", "--port", str(r.port)]
+        argv += ["--host", "0.0.0.0"]
         if _router_takes_config():
+            # the ConfigMap carries the rest (`RouterConfig`); flags only for what it cannot
             argv += ["--config", f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}"]
-        if r.grpc_port is not None:
-            argv += ["--grpc-port", str(r.grpc_port)]
-        policy: Any = r.policy_config if r.policy_config is not None else r.policy
-        argv += ["--policy", policy if isinstance(policy, str) else json.dumps(policy)]
-        argv += ["--disaggregation", json.dumps(r.disaggregation.model_dump(mode="json"))]
-        argv += ["--flow", json.dumps(r.flow_control.model_dump(mode="json"))]
-        argv += ["--served-model-name", self.spec.model.served_name]
-        argv += ["--max-body-bytes", str(r.max_body_bytes)]
-        argv += ["--scrape-interval-s", str(r.scrape_interval_seconds)]
-        argv += ["--prefill-timeout-s", str(r.prefill_timeout_seconds)]
+        else:
+            argv += ["--port", str(r.port)]
+            if r.grpc_port is not None:
+                argv += ["--grpc-port", str(r.grpc_port)]
+            policy: Any = r.policy_config if r.policy_config is not None else r.policy
+            argv += ["--policy", policy if isinstance(policy, str) else json.dumps(policy)]
+            argv += ["--disaggregation", json.dumps(r.disaggregation.model_dump(mode="json"))]
+            argv += ["--flow", json.dumps(r.flow_control.model_dump(mode="json"))]
+            argv += ["--served-model-name", self.spec.model.served_name]
+            argv += ["--max-body-bytes", str(r.max_body_bytes)]
+            argv += ["--scrape-interval-s", str(r.scrape_interval_seconds)]
+            argv += ["--prefill-timeout-s", str(r.prefill_timeout_seconds)]
         if self.spec.model.source.download is None:
             argv += ["--tokenizer", self.spec.model.mount_path]
         env: list[Object] = []

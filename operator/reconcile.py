@@ -147,7 +147,14 @@ class Reconciler:
                 body = self._res(API_VERSION, "BeamDeployment").get(name=name, namespace=namespace)
             except NotFoundError:
                 return Result()
-            return self._reconcile(body.to_dict())
+            try:
+                return self._reconcile(body.to_dict())
+            except NotFoundError:
+                try:  # deleted while being reconciled: its children go with it
+                    self._res(API_VERSION, "BeamDeployment").get(name=name, namespace=namespace)
+                except NotFoundError:
+                    return Result()
+                raise
 
     def _reconcile(self, body: Mapping[str, Any]) -> Result:
         meta = body["metadata"]

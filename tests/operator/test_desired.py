@@ -286,3 +286,35 @@ def test_render_cli(beamserve: Any, tmp_path: Path) -> None:
     bad.write_text(yaml.safe_dump(_specs.obj(_specs.disagg(decode={"tp": 3}))))
     invalid = beamserve("render", str(bad))
     assert invalid.returncode == 1 and "spec.decode" in invalid.stderr
+
+
+@pytest.mark.parametrize("path", _specs.EXAMPLES, ids=lambda p: p.name)
+def test_router_command_parses_and_reads_its_config_map(path: Path, tmp_path: Path) -> None:
+    """The router's own parser takes the rendered command; the ConfigMap's file, mounted where
+    the command says, gives the spec's router settings."""
+    import argparse
+
+    from beamserve.router.cli import add_router
+
+    objs = render(_specs.load_example(path))
+    (cm,) = by_kind(objs, "ConfigMap")
+    router = next(
+        o for o in by_kind(objs, "Deployment") if o["metadata"]["name"].endswith("-router")
+    )
+    argv = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert argv[:2] == ["beamserve", "router"]
+    config = tmp_path / "router.yaml"
+    config.write_text(cm["data"]["router.yaml"])
+    args = [a.replace("/etc/beamserve/router/router.yaml", str(config)) for a in argv[2:]]
+    args = [a if not a.startswith("$(") else "{}" for a in args]  # env references
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_router(sub)
+    ns = parser.parse_args(["router", *args])
+    from beamserve.operator.router_config import apply_router_config
+
+    applied = apply_router_config(ns)
+    spec = parse_deployment(_specs.load_example(path)).spec
+    assert applied.port == spec.router.port
+    assert applied.kubernetes == _specs.load_example(path)["metadata"]["name"]
+    assert applied.policy == spec.router.policy
