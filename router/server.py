@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import gc
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -324,10 +324,19 @@ class GrpcGlue:
         hasher = self.rt.router.hasher
         hashes = query.block_hashes
         n = query.prompt_tokens
+        rehash: Callable[[KVGeometry], tuple[int, ...]] | None = None
         if hashes is None:
-            ids = list(query.token_ids or ()) or hasher.codec.encode(query.prompt or "")
+            ids = tuple(int(t) for t in (query.token_ids or ())) or tuple(
+                hasher.codec.encode(query.prompt or "")
+            )
             hashes, n = hasher.hashes(ids), n or len(ids)
-        rreq = replace(query.to_route_request(block_hashes=tuple(hashes)), prompt_tokens=n)
+
+            def rehash(g: KVGeometry) -> tuple[int, ...]:  # workers of another KV geometry
+                return hasher.hashes_in([ids], None, g.block_size, g.hash_scheme)
+
+        rreq = replace(
+            query.to_route_request(block_hashes=tuple(hashes)), prompt_tokens=n, hashes_for=rehash
+        )
         record = await self.rt.sessions.get(rreq.session_id) if rreq.session_id else None
         warm = record.worker if record else None
         return self.rt.core.decide(rreq, self.rt.endpoints(), warm)

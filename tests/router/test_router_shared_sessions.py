@@ -15,12 +15,12 @@ from tests.router.redis_server import RedisServer, redis_server  # noqa: F401 (f
 from tests.router.test_router_e2e import metric, route_of
 
 
-def turn(router: WorkerProc, sid: str, text: str) -> httpx.Response:
-    body: dict[str, Any] = {
-        "model": "beam",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 2,
-    }
+def turn(router: WorkerProc, sid: str, text: str, earlier: str | None = None) -> httpx.Response:
+    """One turn; with `earlier`, the second turn of a conversation that opened with it."""
+    msgs = [{"role": "user", "content": text}]
+    if earlier is not None:
+        msgs = [{"role": "user", "content": earlier}, {"role": "assistant", "content": "ok"}, *msgs]
+    body: dict[str, Any] = {"model": "beam", "messages": msgs, "max_tokens": 2}
     r = httpx.post(
         router.url + "/v1/chat/completions", json=body, headers={"x-session-id": sid}, timeout=30
     )
@@ -42,7 +42,9 @@ def test_sessions_follow_their_worker_across_router_replicas(
     first = {sid: route_of(turn(a, sid, f"opening of {sid}").headers)["decode"] for sid in sessions}
     assert len(set(first.values())) > 1  # least-load spread them
     for sid in sessions:
-        again = route_of(turn(b, sid, f"a different second turn {sid}").headers)
+        # replica B knows the session only from the store: its warm worker, and (a record plus
+        # an earlier turn in the body) the continuing band
+        again = route_of(turn(b, sid, f"a second turn {sid}", f"opening of {sid}").headers)
         assert again["decode"] == first[sid], (sid, again)
         assert again["band"] == "continuing"
 
