@@ -326,7 +326,8 @@ def _one_run(
             )
         )
         out = _figures(records, dur, gpus, cfg)
-        _write_records(cfg, f"{target_url.split('//')[-1].replace(':', '_').strip('/')}-c{level}", records)
+        run = target_url.split("//")[-1].replace(":", "_").strip("/")
+        _write_records(cfg, f"{run}-c{level}", records)
         out |= {"url": target_url, "router_cpu_s": None, "router_cpu_s_per_request": None}
         return out
     assert spec is not None
