@@ -226,6 +226,7 @@ def operator_main(args: argparse.Namespace) -> int:
 
     # kopf logs through the standard library (handler failures, API retries)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # not a line per event
     if args.kubeconfig is not None:
         os.environ["KUBECONFIG"] = str(args.kubeconfig)
         k8s_config.load_kube_config(config_file=str(args.kubeconfig))  # type: ignore[no-untyped-call]
