@@ -440,10 +440,10 @@ class _Context:
             mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "tmp", "emptyDir": {}})
         mounts.append({"name": "tmp", "mountPath": "/tmp"})
-        resources = copy.deepcopy(pool.resources or {})
+        resources = _quantities(pool.resources or {})
         if gpus > 0:
-            resources.setdefault("limits", {})[pool.gpu_resource] = gpus
-            resources.setdefault("requests", {})[pool.gpu_resource] = gpus
+            resources.setdefault("limits", {})[pool.gpu_resource] = str(gpus)
+            resources.setdefault("requests", {})[pool.gpu_resource] = str(gpus)
         budget = self.startup_budget()
         container: Object = {
             "name": "engine",
@@ -696,7 +696,7 @@ class _Context:
         if env:
             container["env"] = env
         if r.resources:
-            container["resources"] = copy.deepcopy(r.resources)
+            container["resources"] = _quantities(r.resources)
         pod_spec: Object = {
             "serviceAccountName": name,
             "containers": [container],
@@ -776,7 +776,7 @@ class _Context:
             "securityContext": _container_security(read_only_root=True),
         }
         if managed.resources:
-            container["resources"] = copy.deepcopy(managed.resources)
+            container["resources"] = _quantities(managed.resources)
         out += [
             {
                 "apiVersion": "apps/v1",
@@ -908,6 +908,19 @@ class _Context:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _quantities(resources: Mapping[str, Any]) -> Object:
+    """`resources` with every quantity a string: server-side apply's typed patch refuses a
+    bare number where the schema says Quantity (`nvidia.com/gpu: 8` → `"8"`)."""
+    out = copy.deepcopy(dict(resources))
+    for key in ("limits", "requests"):
+        if isinstance(out.get(key), dict):
+            out[key] = {
+                k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                for k, v in out[key].items()
+            }
+    return out
 
 
 def _container_security(*, read_only_root: bool) -> Object:

@@ -96,6 +96,18 @@ def build_registry(reconciler: Any, *, drain_poll_s: float, webhook: bool) -> ko
 
         run(kw["namespace"], owner_deployment(kw["body"]))
 
+    @kopf.on.event(
+        "leaderworkerset.x-k8s.io",
+        "v1",
+        "leaderworkersets",
+        labels={LABEL_MANAGED_BY: MANAGED_BY},
+        registry=registry,
+    )
+    def on_group_workload(**kw: Any) -> None:
+        from beamserve.operator.reconcile import owner_deployment
+
+        run(kw["namespace"], owner_deployment(kw["body"]))
+
     if webhook:
 
         @kopf.on.validate(

@@ -194,6 +194,7 @@ class Reconciler:
             live = None
         if live is not None and contains(live, obj):
             return
+        log.debug("apply", kind=obj["kind"], name=meta["name"], created=live is None)
         res.server_side_apply(
             body=obj,
             name=meta["name"],
@@ -282,6 +283,7 @@ class Reconciler:
                 continue
             if live.get("status") == wanted:
                 continue
+            log.debug("scaler_status", name=name, old=live.get("status"), new=wanted)
             res.status.patch(
                 body={"status": wanted},
                 name=name,
@@ -410,7 +412,8 @@ class Reconciler:
                     "selector": ",".join(f"{k}={v}" for k, v in sorted(plan.selector.items())),
                 }
                 if not _ready(w):
-                    not_ready.append(f"{plan.role} {ready_n}/{want} ready")
+                    updated_n = st.get("updatedReplicas", 0)
+                    not_ready.append(f"{plan.role} {ready_n}/{want} ready, {updated_n} updated")
                     updating = True
                 if _deadline_exceeded(w):
                     failing.append(
@@ -426,7 +429,8 @@ class Reconciler:
         old_present = self._old_revisions(body, namespace, rev)
         if problem is None and not not_ready and not updating:
             status["currentRevision"] = rev
-        elif previous.get("currentRevision") in old_present:
+        elif previous.get("currentRevision") in old_present | {rev}:
+            # still the revision that last served in full (an in-place roll keeps it)
             status["currentRevision"] = previous["currentRevision"]
         elif old_present:
             status["currentRevision"] = sorted(old_present)[0]
@@ -497,8 +501,10 @@ class Reconciler:
         result.status = status
         if body.get("status") == status:
             return
+        log.debug("status", name=body["metadata"]["name"], old=body.get("status"), new=status)
+        gone = {k: None for k in body.get("status") or {} if k not in status}
         self._res(API_VERSION, "BeamDeployment").status.patch(
-            body={"status": status},
+            body={"status": {**status, **gone}},  # merge patch: null removes a key
             name=body["metadata"]["name"],
             namespace=body["metadata"]["namespace"],
             content_type="application/merge-patch+json",

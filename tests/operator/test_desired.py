@@ -22,6 +22,7 @@ import yaml
 from beamserve.operator.admission import validate
 from beamserve.operator.desired import (
     LABEL_REVISION,
+    LABEL_ROLE,
     ClusterFacts,
     RenderError,
     desired_objects,
@@ -318,3 +319,19 @@ def test_router_command_parses_and_reads_its_config_map(path: Path, tmp_path: Pa
     assert applied.port == spec.router.port
     assert applied.kubernetes == _specs.load_example(path)["metadata"]["name"]
     assert applied.policy == spec.router.policy
+
+
+def test_quantities_are_strings_for_server_side_apply() -> None:
+    doc = _specs.obj(_specs.disagg(decode={"resources": {"limits": {"cpu": 8, "memory": "64Gi"}}}))
+    objs = render(doc)
+    for deploy in by_kind(objs, "Deployment"):
+        for c in deploy["spec"]["template"]["spec"]["containers"]:
+            for section in c.get("resources", {}).values():
+                assert all(isinstance(v, str) for v in section.values()), section
+    decode = next(
+        o
+        for o in by_kind(objs, "Deployment")
+        if o["metadata"]["labels"].get(LABEL_ROLE) == "decode"
+    )
+    limits = decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "4"}
