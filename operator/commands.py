@@ -41,12 +41,6 @@ def add_runtime_commands(sub: Any) -> None:
     o.add_argument("--webhook-host", default=None, help="the name the webhook's cert is for")
     o.add_argument("--webhook-addr", default="0.0.0.0", help="listen address of the webhook")
     o.add_argument(
-        "--webhook-url",
-        default=None,
-        help="register the webhook at this URL (ValidatingWebhookConfiguration, by the "
-        "operator); default: the chart registers it against the operator's Service",
-    )
-    o.add_argument(
         "--webhook-cert-dir",
         type=Path,
         default=None,
