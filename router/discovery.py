@@ -899,9 +899,12 @@ class KubernetesDiscovery(Discovery):
         """`v1` when the server serves discovery.k8s.io/v1, else `v1beta1` (from /apis).
 
         A starting API server answers `/apis` before it has registered all its groups (for
-        ≈ 0.1 s on 1.20), so a missing group is final only once `/readyz` says the server is
-        ready (or has no readiness endpoint to ask: 401/403/404); until then, retry."""
+        ≈ 0.1 s on 1.20), so a missing group is final only when a listing made *after* `/readyz`
+        said the server is ready (or has no readiness endpoint to ask: 401/403/404) still lacks
+        it — a server that turns ready between a listing and the readiness check is listed
+        again, not refused; until then, retry."""
         delay = self.settings.backoff_initial_s
+        ready_before = False  # /readyz said ready before the listing below was made
         while True:
             served: set[str] = set()
             try:
@@ -918,11 +921,14 @@ class KubernetesDiscovery(Discovery):
                 if version in served:
                     return version
             if listed:
-                if await _server_ready(client):
+                if ready_before:
                     raise DiscoveryConfigError(
                         "the API server serves neither discovery.k8s.io/v1 nor v1beta1 "
                         "EndpointSlices; Kubernetes 1.17 or newer is needed"
                     )
+                ready_before = await _server_ready(client)
+                if ready_before:
+                    continue  # list again, now that the answer is final
                 log.info("API server not ready; EndpointSlice group not listed yet; retrying")
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self.settings.backoff_max_s)
