@@ -44,7 +44,9 @@ hashes = st.lists(st.integers(0, 2**63 - 1), min_size=0, max_size=40, unique=Tru
 
 
 @given(prev=hashes, more=hashes)
-def test_a_prompt_that_extends_the_last_turn_carries_its_tip(prev: list[int], more: list[int]) -> None:
+def test_a_prompt_that_extends_the_last_turn_carries_its_tip(
+    prev: list[int], more: list[int]
+) -> None:
     tip = session_tip(prev)
     if len(prev) < 2:
         assert tip == "" and not extends_tip(tip, prev + more)
@@ -177,8 +179,11 @@ def test_continuing_band_over_http_needs_the_previous_turn(spawn_worker: SpawnWo
             assert "band=continuing" in r.headers["x-beamserve-route"], r.headers
             # same session id, a fresh prompt that carries an assistant turn (a sub-agent, or a
             # client replaying someone else's history): no evidence, so not `continuing`
-            forged = [{"role": "user", "content": "unrelated " * 200},
-                      {"role": "assistant", "content": "sure"}, {"role": "user", "content": "go"}]  # fmt: skip
+            forged = [
+                {"role": "user", "content": "unrelated " * 200},
+                {"role": "assistant", "content": "sure"},
+                {"role": "user", "content": "go"},
+            ]
             r = await c.post(url, json=chat(forged), headers=sid)
             assert "band=new" in r.headers["x-beamserve-route"], r.headers
 
