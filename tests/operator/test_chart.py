@@ -158,3 +158,15 @@ def test_dashboard_is_optional_json() -> None:
 def test_beampool_crd_matches_the_generator() -> None:
     path = CHART / "crds" / "beampools.beamserve.io.yaml"
     assert path.read_text() == scaler.scaler_crd_yaml(), f"{path} is stale: run `make crd`"
+
+
+def test_install_bundle_is_the_chart_rendered_with_its_crds() -> None:
+    """`manifests/install.yaml` (for `kubectl apply -f` without Helm) is exactly what the chart
+    renders with its defaults and CRDs into `beamserve-system`: regenerate with `make crd`."""
+    args = [helm(), "template", "beamserve", str(CHART), "--namespace", "beamserve-system"]
+    done = subprocess.run([*args, "--include-crds"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    bundle = (REPO / "manifests" / "install.yaml").read_text()
+    assert bundle == done.stdout, "manifests/install.yaml is stale: run `make crd`"
+    kinds = {d["kind"] for d in yaml.safe_load_all(bundle) if d}
+    assert {"CustomResourceDefinition", "Deployment", "ServiceAccount", "ClusterRole"} <= kinds
