@@ -16,9 +16,8 @@ import httpx
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.models import parse_request
 from beamserve.router.app import ANONYMOUS, KeyPolicy, RouterSettings, band_of, tenant_and_session
-from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.grpc_api import build_server
-from beamserve.router.server import GrpcGlue, RouterRuntime, RuntimeConfig, gateway_client
+from beamserve.router.server import GrpcGlue, RouterRuntime, gateway_client
 from beamserve.router.sessions import MemorySessionStore, SessionRecord, extends_tip, session_tip
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given
@@ -26,6 +25,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import SpawnWorker
 from tests.router.test_grpc import envoy_request, envoy_response
+from tests.router.test_router_flow import Gate, runtime
 
 OPENING = [
     {"role": "system", "content": "You are a coding agent. " * 40},
@@ -112,23 +112,9 @@ def test_session_tips_are_stored_kept_and_cleared() -> None:
 # --- through the HTTP door -------------------------------------------------------------------
 
 
-class Gate:
-    """A saturation signal the test opens and closes (stands below the router's flow control)."""
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def saturated(self, now: float) -> bool:
-        return self.closed
-
-
-def runtime(urls: list[str], **config: Any) -> RouterRuntime:
-    eps = parse_endpoint_specs([{"url": u} for u in urls])
-    return RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, **config))
-
-
 @contextlib.asynccontextmanager
 async def serving(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
+    """As `test_router_flow.serving`, from one fixed client address (the anonymous tenant)."""
     await rt.start()
     try:
         t = httpx.ASGITransport(app=rt.app, client=("10.0.0.5", 40000))
