@@ -116,7 +116,7 @@ class _Turn(NamedTuple):
     dispatch: Dispatch
 
 
-class _DispatchStream(StreamingResponse):
+class ClosingStream(StreamingResponse):
     """A streaming answer that runs `on_close` however it ends: finished, failed, or the
     client gone before or while the body streamed (Starlette never starts the body iterator
     of a response whose client already left, so its own `finally` cannot be relied on)."""
@@ -523,7 +523,7 @@ class Router:
             await chunks.aclose()
             self.core.close(dispatch)
 
-        return _DispatchStream(
+        return ClosingStream(
             body(),
             closed,
             media_type="text/event-stream",
@@ -599,7 +599,7 @@ def _discard_result(task: asyncio.Future[Any]) -> None:
     if task.cancelled() or task.exception() is not None:
         return
     result = task.result()
-    if isinstance(result, _DispatchStream):
+    if isinstance(result, ClosingStream):
         _BACKGROUND.add(t := asyncio.ensure_future(result.close()))
         t.add_done_callback(_BACKGROUND.discard)
 

@@ -62,7 +62,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -85,6 +85,7 @@ from beamserve.router.api.models import (
     parse_request,
 )
 from beamserve.router.api.sse import translator_for
+from beamserve.router.app import ClosingStream
 from beamserve.router.facts import WorkerFacts, apply_facts, probe_facts
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import (
@@ -98,7 +99,7 @@ from beamserve.router.policy.kv_compat import bootstrap_port_of
 from beamserve.router.types import Endpoint, RouteDecision
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -439,7 +440,7 @@ class Sidecar:
             else:
                 resp.close()  # cut short: the worker learns to abort the request
 
-        return _ClosingStream(content(), closed, status_code=resp.status, headers=out_headers)
+        return ClosingStream(content(), closed, status_code=resp.status, headers=out_headers)
 
     # --- disaggregated: prefill there, decode here ------------------------------------------------
     async def _disaggregated(
@@ -571,7 +572,7 @@ class Sidecar:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()  # the answer is over: nothing waits for that leg now
 
-        return _ClosingStream(content(), closed, media_type="text/event-stream")
+        return ClosingStream(content(), closed, media_type="text/event-stream")
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,25 +610,6 @@ def _address_of(ep: Endpoint) -> tuple[str | None, int | None]:
 def _no_other_prefill() -> list[Endpoint]:
     """The picker named the prefill worker: a failed leg is not retried on another one."""
     return []
-
-
-class _ClosingStream(StreamingResponse):
-    """A streamed answer that runs `on_close` however it ends (finished, failed, or the client
-    gone before or while the body streamed)."""
-
-    def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any
-    ) -> None:
-        super().__init__(content, **kw)
-        self._on_close: Callable[[], Awaitable[None]] | None = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            on_close, self._on_close = self._on_close, None
-            if on_close is not None:
-                await on_close()
 
 
 async def _cancel_on_disconnect(request: Request, aw: Awaitable[T]) -> T:
