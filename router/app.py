@@ -289,7 +289,7 @@ class Router:
             turn = _Turn(api, dialect, parsed, call, d)
             # Until the answer starts, a client that goes away cancels the upstream call (the
             # worker aborts the request); once streaming, the response itself watches.
-            return await _unless_disconnected(
+            return await unless_disconnected(
                 request, self._dispatch(turn, record.worker if record else None, hashing_s)
             )
         except BaseException:
@@ -367,7 +367,7 @@ class Router:
         dialect: api_errors.ErrorDialect,
     ) -> Ticket:
         try:
-            return await _unless_disconnected(request, self.flow.admit(band, tenant, cost))
+            return await unless_disconnected(request, self.flow.admit(band, tenant, cost))
         except Shed as shed:
             if shed.http_status == 429:
                 raise api_errors.rate_limited(shed.retry_after_s, api=dialect) from shed
@@ -577,7 +577,7 @@ def band_of(
     return "new"
 
 
-async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
     """Await `aw`, but cancel it (and raise) if the client goes away meanwhile."""
     task = asyncio.ensure_future(aw)
     try:

@@ -62,7 +62,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -85,7 +85,7 @@ from beamserve.router.api.models import (
     parse_request,
 )
 from beamserve.router.api.sse import translator_for
-from beamserve.router.app import ClosingStream
+from beamserve.router.app import ClosingStream, unless_disconnected
 from beamserve.router.facts import WorkerFacts, apply_facts, probe_facts
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import (
@@ -420,7 +420,7 @@ class Sidecar:
             )
 
         try:
-            resp = await _cancel_on_disconnect(request, call())
+            resp = await unless_disconnected(request, call())
         except TimeoutError as exc:
             raise api_errors.upstream_failed("no answer in time", api=dialect) from exc
         except aiohttp.ClientError as exc:
@@ -463,10 +463,10 @@ class Sidecar:
             self._fallback(reason, addr, path=turn.call.path)
             self.metrics.requests.labels("colocated").inc()
             local = decode or self._decode_seed
-            return await _cancel_on_disconnect(request, self._decode_leg(turn, local, None))
+            return await unless_disconnected(request, self._decode_leg(turn, local, None))
         legs: list[asyncio.Task[Any]] = []
         try:
-            answer, handed_over = await _cancel_on_disconnect(
+            answer, handed_over = await unless_disconnected(
                 request, self._legs(turn, prefill, decode, addr, legs)
             )
         except BaseException:
@@ -610,22 +610,6 @@ def _address_of(ep: Endpoint) -> tuple[str | None, int | None]:
 def _no_other_prefill() -> list[Endpoint]:
     """The picker named the prefill worker: a failed leg is not retried on another one."""
     return []
-
-
-async def _cancel_on_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await `aw`, cancelling it (and raising a 499) if the client goes away meanwhile."""
-    task = asyncio.ensure_future(aw)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client closed the request", "api_error")
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 # --- `beamserve sidecar` -----------------------------------------------------------------------
