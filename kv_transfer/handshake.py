@@ -6,6 +6,14 @@ Prefill serves (read-only for peers, one service per prefill worker):
                                       KV dtype, pool shape, backend and model fingerprint
     GET    /kv/v1/requests/{id}       RequestKVInfo: seq_len, page tables, lease, checksums
     DELETE /kv/v1/requests/{id}       the decode side is done: free the pages (idempotent)
+    POST   /kv/v1/requests/{id}/stage-plan   staged path: plan once now, keep it with the lease
+    POST   /kv/v1/requests/{id}/stage    staged path: gather one round into staging buffers
+    DELETE /kv/v1/requests/{id}/stage/{round}   give one round's staging buffers back
+
+On `--path staged` decode sends `stage-plan` (on a helper thread) before it plans its own side,
+so the two plans overlap and every stage call only gathers (`auto` lets the first stage call
+plan, once per request, if it picks staged). Both sides check the same
+`plan_digest`, a hash of the plan's inputs.
 
 Decode READs (pulls). Why read rather than write: the decode side owns the destination pages
 and knows when it has room, so it allocates first and pulls when ready; the prefill side stays
@@ -18,16 +26,20 @@ learns destination pages through the bootstrap server.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import httpx
 import uvicorn
 from beamserve.kv_transfer.backends.base import AgentInfo, ReadOp
+from beamserve.kv_transfer.cost import PathChoice, TransferPath, choose_path, link_for, parse_path
 from beamserve.kv_transfer.errors import (
     ChecksumMismatchError,
     IncompatiblePeerError,
@@ -35,11 +47,19 @@ from beamserve.kv_transfer.errors import (
     LeaseExpiredError,
     LeaseNotFoundError,
     PeerLostError,
+    TransferFailedError,
     TransferPlanError,
     TransferTimeoutError,
 )
+from beamserve.kv_transfer.memory import MemoryKind
 from beamserve.kv_transfer.model import BeamModelConfig
 from beamserve.kv_transfer.plan import TransferPlan, check_pair, plan_transfer
+from beamserve.kv_transfer.staging import (
+    DEFAULT_CHUNK_BYTES,
+    StagedPlan,
+    plan_digest,
+    stage_plan,
+)
 from beamserve.kv_transfer.topology import KVDtype, KVLayout, PoolLayout, PoolTopology, RequestPages
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -77,6 +97,8 @@ class RankAgentModel(BaseModel):
     metadata_b64: str
     base_addr: int
     region_bytes: int
+    memory: str = MemoryKind.DRAM.value
+    device: int = 0
 
     def to_info(self) -> AgentInfo:
         return AgentInfo(
@@ -85,6 +107,8 @@ class RankAgentModel(BaseModel):
             base64.b64decode(self.metadata_b64),
             self.base_addr,
             self.region_bytes,
+            self.memory,
+            self.device,
         )
 
 
@@ -111,6 +135,10 @@ class KVPeerInfo(BaseModel):
     full_pages: int
     window_pages: int
     ranks: list[RankAgentModel]
+    # The KV region's memory kind, and each rank's staging pool for the staged path (bytes;
+    # 0: this prefill serves only direct reads).
+    memory: str = MemoryKind.DRAM.value
+    staging_bytes: int = 0
 
 
 class RequestKVInfo(BaseModel):
@@ -130,6 +158,50 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class StageRequest(BaseModel):
+    """Decode asks prefill to gather one round of the staged plan (or, at `/stage-plan`, only
+    to plan it). Prefill plans once per request from the destination's shape and page tables
+    (plans are pure), after checking that `digest` is `plan_digest` of the same inputs, and
+    keeps the staged plan with the lease: later rounds only gather."""
+
+    dst_tp: int
+    dst_full_pages: int
+    dst_window_pages: int
+    full_pages: list[int]
+    window_pages: list[int]
+    chunk_bytes: int
+    dst_capacity: int
+    round: int
+    digest: str
+
+
+class StagedChunkModel(BaseModel):
+    chunk_id: int
+    src_rank: int
+    offset: int  # in the source rank's registered buffer
+
+
+class StagePlanResponse(BaseModel):
+    rounds: int
+    digest: str
+    plan_s: float  # 0 when the plan was already held
+
+
+class StageResponse(BaseModel):
+    round: int
+    rounds: int
+    chunks: list[StagedChunkModel]
+    gather_s: float
+
+
+class StagingGroup(Protocol):
+    """What the prefill registry needs to run gathers: `RankGroup.call`."""
+
+    def call(self, ranks: Sequence[int], cmd: str, args: Any, timeout_s: float) -> list[Any]: ...
+
+    def call_all(self, cmd: str, *args: Any, timeout_s: float = 600.0) -> list[Any]: ...
+
+
 @dataclass
 class _Lease:
     seq_len: int
@@ -137,6 +209,9 @@ class _Lease:
     expires: float
     checksums: dict[str, int] | None
     aux: dict[str, int] | None = None
+    staged: dict[str, StagedPlan] = field(default_factory=dict)  # by digest, once per request
+    held_tags: set[str] = field(default_factory=set)
+    plan_lock: threading.Lock = field(default_factory=threading.Lock)  # one plan per request
 
 
 class PrefillKVRegistry:
@@ -149,9 +224,15 @@ class PrefillKVRegistry:
         backend: str,
         agents: Sequence[AgentInfo],
         lease_s: float = 30.0,
+        stager: StagingGroup | None = None,
+        staging_bytes: int = 0,
+        memory: MemoryKind = MemoryKind.DRAM,
     ) -> None:
         self.engine_id, self.layout, self.backend = engine_id, layout, backend
         self.agents, self.lease_s = list(agents), lease_s
+        self.stager, self.memory = stager, MemoryKind(memory)
+        self.staging_bytes = staging_bytes if stager is not None else 0
+        self._stage_lock = threading.Lock()  # one gather at a time on the rank pipes
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         # The most recent releases (bounded: a long-running worker must not grow without end).
@@ -187,9 +268,13 @@ class PrefillKVRegistry:
                     metadata_b64=base64.b64encode(a.metadata).decode(),
                     base_addr=a.base_addr,
                     region_bytes=a.region_bytes,
+                    memory=a.memory,
+                    device=a.device,
                 )
                 for r, a in enumerate(self.agents)
             ],
+            memory=self.memory.value,
+            staging_bytes=self.staging_bytes,
         )
 
     def publish(
@@ -228,22 +313,140 @@ class PrefillKVRegistry:
 
     def release(self, request_id: str) -> bool:
         with self._lock:
-            found = self._leases.pop(request_id, None) is not None
+            lease = self._leases.pop(request_id, None)
+            found = lease is not None
             if found:
                 self.released.append(request_id)
                 self._end(request_id)
-            return found
+        if lease is not None:
+            self._free_staging(lease.held_tags)
+        return found
 
     def held(self) -> list[str]:
         with self._lock:
             self._expire()
             return sorted(self._leases)
 
+    def stage(self, request_id: str, req: StageRequest, timeout_s: float = 60.0) -> StageResponse:
+        """Gather round `req.round` of the request's staged plan into the source ranks' staging
+        pools; the buffers stay held until `unstage`, the lease's release, or its expiry."""
+        lease, stager = self._staging_lease(request_id)
+        staged, _secs = self._staged_plan(request_id, lease, req)
+        if not 0 <= req.round < staged.rounds:
+            raise TransferPlanError(f"round: {req.round} outside [0, {staged.rounds})")
+        from beamserve.kv_transfer.rank import GatherJob
+
+        chunks = staged.in_round(req.round)
+        jobs: dict[int, list[GatherJob]] = {}
+        for c in chunks:
+            jobs.setdefault(c.src_rank, []).append(
+                GatherJob(c.chunk_id, c.src_offsets, c.lengths, c.needs_gather)
+            )
+        tag = _stage_tag(request_id, req.round)
+        ranks = sorted(jobs)
+        lease.held_tags.add(tag)
+        with self._stage_lock:
+            results = stager.call(ranks, "gather", lambda r: (tag, jobs[r]), timeout_s)
+        out = []
+        for r, (offsets, _secs) in zip(ranks, results, strict=True):
+            for job, off in zip(jobs[r], offsets, strict=True):
+                out.append(StagedChunkModel(chunk_id=job.chunk_id, src_rank=r, offset=off))
+        return StageResponse(
+            round=req.round,
+            rounds=staged.rounds,
+            chunks=out,
+            gather_s=max((secs for _o, secs in results), default=0.0),
+        )
+
+    def prepare(self, request_id: str, req: StageRequest) -> StagePlanResponse:
+        """Plan the request's staged transfer now (decode asks while it plans its own side), so
+        that its stage calls only gather."""
+        lease, _stager = self._staging_lease(request_id)
+        staged, secs = self._staged_plan(request_id, lease, req)
+        return StagePlanResponse(rounds=staged.rounds, digest=req.digest, plan_s=secs)
+
+    def _staging_lease(self, request_id: str) -> tuple[_Lease, StagingGroup]:
+        """The lease a stage or stage-plan call works on, and the staging pool it gathers
+        into; refused without a staging pool."""
+        stager = self.stager
+        if stager is None:
+            raise IncompatiblePeerError(
+                f"prefill {self.engine_id}: serves direct reads only (no staging pool); use "
+                "--path direct, or start prefill with a staging pool"
+            )
+        with self._lock:
+            self._expire()
+            lease = self._leases.get(request_id)
+        if lease is None:
+            raise LeaseExpiredError(f"request {request_id}: no KV held (expired or released)")
+        return lease, stager
+
+    def _staged_plan(
+        self, request_id: str, lease: _Lease, req: StageRequest
+    ) -> tuple[StagedPlan, float]:
+        """The lease's staged plan for `req` (planned on first use; seconds spent planning)."""
+        with lease.plan_lock:
+            staged = lease.staged.get(req.digest)
+            if staged is not None:
+                return staged, 0.0
+            t0 = time.perf_counter()
+            dst = PoolLayout(
+                self.layout.model,
+                PoolTopology(
+                    req.dst_tp,
+                    self.layout.topology.page_size,
+                    self.layout.topology.kv_dtype,
+                    self.layout.topology.layout,
+                ),
+                req.dst_full_pages,
+                req.dst_window_pages,
+            )
+            dst_pages = RequestPages.of(req.full_pages, req.window_pages)
+            mine = plan_digest(
+                self.layout, dst, lease.seq_len, lease.pages, dst_pages,
+                req.chunk_bytes, self.staging_bytes, req.dst_capacity,
+            )  # fmt: skip
+            if mine != req.digest:
+                raise TransferPlanError(
+                    f"request {request_id}: staged plans differ (prefill {mine}, decode "
+                    f"{req.digest}); run the same beamserve release on both pools"
+                )
+            plan = plan_transfer(self.layout, dst, lease.seq_len, lease.pages, dst_pages)
+            staged = stage_plan(plan, req.chunk_bytes, self.staging_bytes, req.dst_capacity)
+            lease.staged[req.digest] = staged
+            return staged, time.perf_counter() - t0
+
+    def unstage(self, request_id: str, round_: int) -> None:
+        """Return one round's staging buffers to the pools (idempotent)."""
+        tag = _stage_tag(request_id, round_)
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.held_tags.discard(tag)
+        self._free_staging({tag})
+
+    def _free_staging(self, tags: set[str]) -> None:
+        if self.stager is None or not tags:
+            return
+        with self._stage_lock:
+            for tag in sorted(tags):
+                try:
+                    self.stager.call_all("release_staging", tag, timeout_s=10.0)
+                except KVTransferError:
+                    # A dead rank's pool went with it; the live ranks were released (call
+                    # drains every rank before raising).
+                    pass
+
     def _expire(self) -> None:
         now = time.monotonic()
         for rid in [r for r, lease in self._leases.items() if lease.expires < now]:
-            del self._leases[rid]
+            lease = self._leases.pop(rid)
             self._end(rid)
+            if lease.held_tags:
+                # Freed on a helper thread: _expire runs under self._lock.
+                threading.Thread(
+                    target=self._free_staging, args=(set(lease.held_tags),), daemon=True
+                ).start()
 
     def _end(self, request_id: str) -> None:
         """Remember a recent end, so a late lookup says 410 (gone) rather than 404 (not yet)."""
@@ -279,7 +482,38 @@ def build_handshake_app(registry: PrefillKVRegistry) -> FastAPI:
         registry.release(request_id)
         return Response(status_code=204)
 
+    @app.post(
+        "/kv/v1/requests/{request_id}/stage",
+        response_model=StageResponse,
+        responses={409: {"model": ErrorBody}, 410: {"model": ErrorBody}, 501: {"model": ErrorBody}},
+    )
+    def stage(request_id: str, body: StageRequest) -> StageResponse | JSONResponse:
+        try:
+            return registry.stage(request_id, body)
+        except Exception as exc:  # a rank's unexpected failure too: a JSON body for the client
+            return _stage_error(exc)
+
+    @app.post(
+        "/kv/v1/requests/{request_id}/stage-plan",
+        response_model=StagePlanResponse,
+        responses={409: {"model": ErrorBody}, 410: {"model": ErrorBody}, 501: {"model": ErrorBody}},
+    )
+    def stage_plan_(request_id: str, body: StageRequest) -> StagePlanResponse | JSONResponse:
+        try:
+            return registry.prepare(request_id, body)
+        except KVTransferError as exc:
+            return _stage_error(exc)
+
+    @app.delete("/kv/v1/requests/{request_id}/stage/{round_}", status_code=204)
+    def unstage(request_id: str, round_: int) -> Response:
+        registry.unstage(request_id, round_)
+        return Response(status_code=204)
+
     return app
+
+
+def _stage_tag(request_id: str, round_: int) -> str:
+    return f"{request_id}#{round_}"
 
 
 class HandshakeServer:
@@ -360,19 +594,47 @@ class PullResult:
     plan: TransferPlan
     plan_ms: float
     seconds: float
-    bytes_moved: int
+    bytes_moved: int  # on the wire: equals plan.bytes_moved on both paths
     checksums_verified: bool
+    path: TransferPath = TransferPath.DIRECT
+    descriptors_on_wire: int = 0
+    staging_bytes: int = 0  # local gather + scatter copies (not on the wire)
+    gather_ms: float = 0.0
+    transfer_ms: float = 0.0
+    scatter_ms: float = 0.0
+    rounds: int = 0
+    choice: PathChoice | None = None
+    gather_rank_ms: float = 0.0  # the gather copies alone, on the slowest source rank
 
 
 class DecodeKVClient:
-    """Decode side: fetch a prefill peer's metadata and page table, plan, pull, release."""
+    """Decode side: fetch a prefill peer's metadata and page table, plan, pull, release.
 
-    def __init__(self, group: KVShardGroup, http_timeout_s: float = 5.0) -> None:
+    `path` picks how: `direct` (the plan's descriptors on the wire), `staged` (gather on the
+    prefill ranks, one descriptor per chunk, scatter here; both sides need staging pools) or
+    `auto` (the cost model decides per plan; direct where either side has no staging pool).
+    """
+
+    def __init__(
+        self,
+        group: KVShardGroup,
+        http_timeout_s: float = 5.0,
+        path: TransferPath | str = TransferPath.AUTO,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         self.group = group
+        self.path = parse_path(str(path))
+        self.chunk_bytes = chunk_bytes
         self._http = httpx.Client(timeout=http_timeout_s)
         self._peers: dict[str, tuple[KVPeerInfo, PoolLayout]] = {}
+        # Stage-plan requests run here, beside the local plan (their own HTTP client: one
+        # thread uses each).
+        self._prep_http = httpx.Client(timeout=http_timeout_s)
+        self._prep = ThreadPoolExecutor(1, thread_name_prefix="kv-stage-plan")
 
     def close(self) -> None:
+        self._prep.shutdown(wait=True)
+        self._prep_http.close()
         self._http.close()
 
     def peer(self, url: str, refresh: bool = False) -> tuple[KVPeerInfo, PoolLayout]:
@@ -388,40 +650,224 @@ class DecodeKVClient:
         dst_pages: RequestPages,
         deadline_s: float,
         verify_checksums: bool = False,
+        path: TransferPath | str | None = None,
     ) -> PullResult:
         """Move one request's KV into `dst_pages` of this decode group, or fail typed within
-        `deadline_s`. The prefill lease is released in every case."""
+        `deadline_s`. The prefill lease (and any staging it holds) is released in every case."""
         end = time.monotonic() + deadline_s
+        want = self.path if path is None else parse_path(str(path))
         try:
             info, src = self.peer(url)
             req = RequestKVInfo.model_validate(self._get(url, f"/kv/v1/requests/{request_id}"))
             t0 = time.perf_counter()
-            plan = plan_transfer(
-                src,
-                self.group.layout,
-                req.seq_len,
-                RequestPages.of(req.full_pages, req.window_pages),
-                dst_pages,
+            src_pages = RequestPages.of(req.full_pages, req.window_pages)
+            prepared = self._prepare(
+                url, request_id, info, src, req.seq_len, src_pages, dst_pages, want
             )
+            plan = plan_transfer(src, self.group.layout, req.seq_len, src_pages, dst_pages)
+            staged, choice = self._choose(info, plan, want)
             plan_ms = (time.perf_counter() - t0) * 1e3
             agents = [r.to_info() for r in info.ranks]
-            ops = {d: ops_for_rank(plan, d, agents) for d in range(self.group.size)}
-            remaining = end - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= end:
                 raise TransferTimeoutError(f"request {request_id}: deadline spent before reads")
-            t1 = time.perf_counter()
-            self.group.read(ops, remaining)
-            seconds = time.perf_counter() - t1
-            verified = False
+            if staged is not None and choice.path is TransferPath.STAGED:
+                result = self._pull_staged(
+                    url, request_id, dst_pages, staged, agents, end, prepared
+                )
+                result = PullResult(
+                    plan, plan_ms, result.seconds, result.bytes_moved, False,
+                    TransferPath.STAGED, result.descriptors_on_wire, result.staging_bytes,
+                    result.gather_ms, result.transfer_ms, result.scatter_ms, result.rounds,
+                    choice, result.gather_rank_ms,
+                )  # fmt: skip
+            else:
+                ops = {d: ops_for_rank(plan, d, agents) for d in range(self.group.size)}
+                t1 = time.perf_counter()
+                self.group.read(ops, end - time.monotonic())
+                seconds = time.perf_counter() - t1
+                result = PullResult(
+                    plan, plan_ms, seconds, plan.bytes_moved, False, TransferPath.DIRECT,
+                    plan.descriptors, 0, 0.0, seconds * 1e3, 0.0, 0, choice,
+                )  # fmt: skip
             if verify_checksums:
                 self._verify(req, dst_pages, end)
-                verified = True
-            return PullResult(plan, plan_ms, seconds, plan.bytes_moved, verified)
+                result = dataclasses.replace(result, checksums_verified=True)
+            return result
         except PeerLostError:
             self._peers.pop(url, None)  # its metadata is stale once a rank is gone
             raise
         finally:
             self._release(url, request_id)
+
+    def _stage_body(self, dst_pages: RequestPages, digest: str, round_: int) -> StageRequest:
+        layout = self.group.layout
+        return StageRequest(
+            dst_tp=layout.topology.tp_size,
+            dst_full_pages=layout.full_pages,
+            dst_window_pages=layout.window_pages,
+            full_pages=dst_pages.full.tolist(),
+            window_pages=dst_pages.window.tolist(),
+            chunk_bytes=self.chunk_bytes,
+            dst_capacity=int(getattr(self.group, "staging_bytes", 0)),
+            round=round_,
+            digest=digest,
+        )
+
+    def _prepare(
+        self,
+        url: str,
+        request_id: str,
+        info: KVPeerInfo,
+        src: PoolLayout,
+        seq_len: int,
+        src_pages: RequestPages,
+        dst_pages: RequestPages,
+        want: TransferPath,
+    ) -> Future[None] | None:
+        """Ask prefill to plan its side of a staged pull now, on the helper thread, while this
+        side plans (None unless the pull is `staged` and can be). Its errors surface at the
+        first stage call, which plans on prefill if this request did not get through. Not for
+        `auto`: the cost model picks direct for most plans, and prefill's wasted plan then
+        competes with this one (in the bench both sides share one process: 5 → 10 ms)."""
+        here = int(getattr(self.group, "staging_bytes", 0) or 0)
+        if (
+            want is not TransferPath.STAGED
+            or not (info.staging_bytes > 0 and here > 0)
+            or not seq_len
+        ):
+            return None
+        digest = plan_digest(
+            src, self.group.layout, seq_len, src_pages, dst_pages,
+            self.chunk_bytes, info.staging_bytes, here,
+        )  # fmt: skip
+        body = self._stage_body(dst_pages, digest, 0).model_dump()
+
+        def post() -> None:
+            try:
+                self._prep_http.post(f"{url}/kv/v1/requests/{request_id}/stage-plan", json=body)
+            except httpx.HTTPError:
+                pass
+
+        return self._prep.submit(post)
+
+    def _choose(
+        self, info: KVPeerInfo, plan: TransferPlan, want: TransferPath
+    ) -> tuple[StagedPlan | None, PathChoice]:
+        here = int(getattr(self.group, "staging_bytes", 0) or 0)
+        memory = MemoryKind(getattr(self.group, "memory", MemoryKind.DRAM))
+        if not (info.staging_bytes > 0 and here > 0):
+            if want is TransferPath.STAGED:
+                side = "prefill" if info.staging_bytes <= 0 else "decode"
+                raise IncompatiblePeerError(
+                    f"path: staged needs a staging pool on both sides; the {side} side has "
+                    "none (start it with --staging-bytes > 0) or use --path direct/auto"
+                )
+            return None, PathChoice(TransferPath.DIRECT, 0.0, 0.0, "no staging pool")
+        staged = stage_plan(plan, self.chunk_bytes, info.staging_bytes, here)
+        return staged, choose_path(plan, staged, link_for(memory, self.group.backend), want)
+
+    def _pull_staged(
+        self,
+        url: str,
+        request_id: str,
+        dst_pages: RequestPages,
+        staged: StagedPlan,
+        agents: list[AgentInfo],
+        end: float,
+        prepared: Future[None] | None = None,
+    ) -> PullResult:
+        from beamserve.kv_transfer.rank import StagedRead
+
+        digest = staged.digest()
+        gather_s = transfer_s = scatter_s = rank_gather_s = 0.0
+        moved = staging = 0
+        t_all = time.perf_counter()
+        for rnd in range(staged.rounds):
+            body = self._stage_body(dst_pages, digest, rnd)
+            try:
+                tg = time.perf_counter()
+                if prepared is not None:  # prefill's plan, if still under way, is on this clock
+                    try:
+                        prepared.result(timeout=max(0.0, end - time.monotonic()))
+                    except FutureTimeoutError:
+                        raise TransferTimeoutError(
+                            f"request {request_id}: deadline spent while prefill planned"
+                        ) from None
+                    prepared = None
+                resp = self._stage(url, request_id, body, end)
+                gather_s += time.perf_counter() - tg
+                rank_gather_s += resp.gather_s
+                where = {c.chunk_id: c.offset for c in resp.chunks}
+                reads: dict[int, list[StagedRead]] = {}
+                for c in staged.in_round(rnd):
+                    if c.chunk_id not in where:
+                        raise TransferPlanError(
+                            f"request {request_id}: prefill staged no chunk {c.chunk_id}"
+                        )
+                    reads.setdefault(c.dst_rank, []).append(
+                        StagedRead(
+                            agents[c.src_rank],
+                            where[c.chunk_id],
+                            c.dst_offsets,
+                            c.lengths,
+                            c.needs_scatter,
+                        )
+                    )
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeoutError(
+                        f"request {request_id}: deadline spent in round {rnd} of {staged.rounds}"
+                    )
+                ranks = sorted(reads)
+                got = cast(StagingGroup, self.group).call(
+                    ranks,
+                    "read_staged",
+                    lambda r, reads=reads, remaining=remaining: (reads[r], remaining),
+                    remaining + 5.0,
+                )
+                moved += sum(g.bytes_moved for g in got)
+                staging += sum(g.staging_bytes for g in got)
+                transfer_s += max(g.transfer_s for g in got)
+                scatter_s += max(g.scatter_s for g in got)
+            finally:
+                self._unstage(url, request_id, rnd)
+        seconds = time.perf_counter() - t_all
+        return PullResult(
+            staged.plan, 0.0, seconds, moved, False, TransferPath.STAGED,
+            staged.descriptors_on_wire, staging + staged.gather_bytes, gather_s * 1e3,
+            transfer_s * 1e3, scatter_s * 1e3, staged.rounds, None, rank_gather_s * 1e3,
+        )  # fmt: skip
+
+    def _stage(self, url: str, request_id: str, body: StageRequest, end: float) -> StageResponse:
+        try:
+            resp = self._http.post(
+                f"{url}/kv/v1/requests/{request_id}/stage",
+                json=body.model_dump(),
+                timeout=max(1.0, end - time.monotonic()),
+            )
+        except httpx.HTTPError as exc:
+            raise PeerLostError(f"prefill {url}: stage request failed ({exc})") from exc
+        if resp.status_code == 200:
+            return StageResponse.model_validate(resp.json())
+        try:
+            detail = str(resp.json().get("detail", f"HTTP {resp.status_code}"))
+        except ValueError:
+            detail = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        if resp.status_code == 410:
+            raise LeaseExpiredError(detail)
+        if resp.status_code == 501:
+            raise IncompatiblePeerError(detail)
+        if resp.status_code == 503:
+            raise PeerLostError(detail)
+        if resp.status_code >= 500:
+            raise TransferFailedError(f"prefill {url}: staging failed ({detail})")
+        raise TransferPlanError(f"prefill {url}: stage refused ({detail})")
+
+    def _unstage(self, url: str, request_id: str, round_: int) -> None:
+        try:
+            self._http.delete(f"{url}/kv/v1/requests/{request_id}/stage/{round_}", timeout=5.0)
+        except httpx.HTTPError:
+            pass  # the lease's release (or expiry) frees it too
 
     def _verify(self, req: RequestKVInfo, dst_pages: RequestPages, end: float) -> None:
         if req.checksums is None:
@@ -475,3 +921,19 @@ def published_checksums(
         for k, v in per_rank.items():
             out[slice_key(k)] = v
     return out
+
+
+def _stage_error(exc: Exception) -> JSONResponse:
+    """The stage and stage-plan calls' error bodies: 410 lease gone, 501 no staging here, 503 a
+    rank lost, 409 any other refusal, 500 a rank's unexpected failure."""
+    if isinstance(exc, LeaseExpiredError):
+        code, error, detail = 410, "lease_expired", str(exc)
+    elif isinstance(exc, IncompatiblePeerError):
+        code, error, detail = 501, "no_staging", str(exc)
+    elif isinstance(exc, PeerLostError):
+        code, error, detail = 503, "rank_lost", str(exc)
+    elif isinstance(exc, KVTransferError):
+        code, error, detail = 409, "stage", str(exc)
+    else:
+        code, error, detail = 500, "gather_failed", f"{type(exc).__name__}: {exc}"
+    return JSONResponse(status_code=code, content={"error": error, "detail": detail})

@@ -53,7 +53,15 @@ class BeamModelConfig:
         return _DTYPE_BYTES[self.dtype]
 
     def fingerprint(self) -> str:
-        """SHA-256 over the fields that must agree for KV to be interchangeable."""
+        """SHA-256 over the fields that must agree for KV to be interchangeable (computed once
+        per config: every plan checks it)."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            cached = self._fingerprint_now()
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached
+
+    def _fingerprint_now(self) -> str:
         doc = {
             "model_type": self.model_type,
             "layer_types": list(self.layer_types),

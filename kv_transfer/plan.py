@@ -15,6 +15,7 @@ per-(source rank, destination rank) descriptor lists out. Guarantees (property-t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ class TransferPlan:
     dst: PoolLayout
     seq_len: int
     pairs: tuple[PairDescriptors, ...]
+    # The page tables planned from (None for plans built by hand): with the layouts and
+    # seq_len they determine the plan, so `staging.plan_digest` hashes them, not the arrays.
+    src_pages: RequestPages | None = None
+    dst_pages: RequestPages | None = None
 
     @property
     def bytes_moved(self) -> int:
@@ -146,21 +151,38 @@ def plan_transfer(
     src_pages.check("src", src, seq_len)
     dst_pages.check("dst", dst, seq_len)
     if seq_len == 0:
-        return TransferPlan(src, dst, 0, ())
+        return TransferPlan(src, dst, 0, (), src_pages, dst_pages)
 
-    chunks: dict[tuple[int, int], list[tuple[IntArray, IntArray, IntArray]]] = {}
-    for d in range(dst.topology.tp_size):
-        for group, spages, dpages, tokens in _groups(src, seq_len, src_pages, dst_pages):
-            for s, so, do, n in _rank_group_descs(src, dst, d, group, spages, dpages, tokens):
-                chunks.setdefault((s, d), []).append((so, do, n))
-
-    pairs = []
-    for (s, d), parts in sorted(chunks.items()):
-        so = np.concatenate([p[0] for p in parts])
-        do = np.concatenate([p[1] for p in parts])
-        n = np.concatenate([p[2] for p in parts])
-        pairs.append(PairDescriptors(s, d, *_coalesce(so, do, n)))
-    return TransferPlan(src, dst, seq_len, tuple(pairs))
+    # Pass 1: per (destination rank, layer group, source rank) a piece, held as small factors
+    # (its descriptors are their broadcast sums); pass 2 writes each pair's arrays once.
+    pieces: dict[tuple[int, int], list[_Piece]] = {}
+    groups = list(_groups(src, seq_len, src_pages, dst_pages))
+    if (
+        src.topology.layout is KVLayout.HND
+        and src.topology.tp_size <= src.model.num_key_value_heads
+    ):
+        # Every head has one source rank: all destination ranks at once, per layer group.
+        for gi, (group, spages, dpages, tokens) in enumerate(groups):
+            for s, d, piece in _hnd_pieces(src, dst, group, spages, dpages, tokens):
+                parts = pieces.setdefault((s, d), [])
+                assert len(parts) == gi  # full layers' piece first, as the general path
+                parts.append(piece)
+    else:
+        for d in range(dst.topology.tp_size):
+            for group, spages, dpages, tokens in groups:
+                for s, piece in _rank_group_pieces(src, dst, d, group, spages, dpages, tokens):
+                    pieces.setdefault((s, d), []).append(piece)
+    # One allocation for every pair's arrays (views of it): a fresh 4–5 MB block per plan
+    # faults in as a few huge pages where 24 small ones faulted 4 KiB at a time (≈ 2 ms).
+    keys = sorted(pieces)
+    sizes = [sum(p.size for p in pieces[k]) for k in keys]
+    block = np.empty((3, sum(sizes)), dtype=np.int64)
+    pairs, at = [], 0
+    for (s, d), size in zip(keys, sizes, strict=True):
+        out = block[:, at : at + size]
+        pairs.append(PairDescriptors(s, d, *_assemble(pieces[(s, d)], out[0], out[1], out[2])))
+        at += size
+    return TransferPlan(src, dst, seq_len, tuple(pairs), src_pages, dst_pages)
 
 
 _Tokens = tuple[IntArray, IntArray]  # (first slot in page, token count) per logical page
@@ -192,7 +214,136 @@ def _token_spans(logical: IntArray, lo: int, hi: int, P: int) -> _Tokens:
     return start - logical * P, end - start
 
 
-def _rank_group_descs(
+@dataclass(frozen=True)
+class _Piece:
+    """One (destination rank, layer group, source rank) run of descriptors, in plan order.
+
+    Dense: descriptor (b, i) is `src_b[b] + src_i[i]` (and so on), b over (layer, K/V) blocks,
+    i over the block's runs, already coalesced inside a block (the blocks differ only by a
+    constant, so one block's merges are every block's). Masked (a source that replicates heads,
+    so the serving replica changes along (layer, K/V)): the flat arrays, uncoalesced.
+    """
+
+    src_b: IntArray | None = None
+    dst_b: IntArray | None = None
+    src_i: IntArray | None = None
+    dst_i: IntArray | None = None
+    len_i: IntArray | None = None
+    flat: tuple[IntArray, IntArray, IntArray] | None = None
+
+    @property
+    def size(self) -> int:
+        if self.flat is not None:
+            return len(self.flat[2])
+        assert self.src_b is not None and self.src_i is not None
+        return len(self.src_b) * len(self.src_i)
+
+    def write(self, so: IntArray, do: IntArray, n: IntArray) -> None:
+        if self.flat is not None:
+            so[:], do[:], n[:] = self.flat
+            return
+        assert self.src_b is not None and self.dst_b is not None
+        assert self.src_i is not None and self.dst_i is not None and self.len_i is not None
+        shape = (len(self.src_b), len(self.src_i))
+        np.add(self.src_b[:, None], self.src_i[None, :], out=so.reshape(shape))
+        np.add(self.dst_b[:, None], self.dst_i[None, :], out=do.reshape(shape))
+        np.copyto(n.reshape(shape), self.len_i[None, :])
+
+    def ends(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
+        """(src, dst, length) of the last descriptor and (src, dst) of the first."""
+        if self.flat is not None:
+            so, do, n = self.flat
+            return (int(so[-1]), int(do[-1]), int(n[-1])), (int(so[0]), int(do[0]))
+        assert self.src_b is not None and self.dst_b is not None
+        assert self.src_i is not None and self.dst_i is not None and self.len_i is not None
+        last = (
+            int(self.src_b[-1] + self.src_i[-1]),
+            int(self.dst_b[-1] + self.dst_i[-1]),
+            int(self.len_i[-1]),
+        )
+        return last, (int(self.src_b[0] + self.src_i[0]), int(self.dst_b[0] + self.dst_i[0]))
+
+    def blocks_touch(self) -> bool:
+        """Whether a block's last run is contiguous (both sides) with the next block's first."""
+        if self.flat is not None:
+            return True  # unknown: the pair is coalesced as a whole
+        assert self.src_b is not None and self.dst_b is not None
+        assert self.src_i is not None and self.dst_i is not None and self.len_i is not None
+        if len(self.src_b) < 2:
+            return False
+        gap_s = self.src_i[-1] + self.len_i[-1] - self.src_i[0]
+        gap_d = self.dst_i[-1] + self.len_i[-1] - self.dst_i[0]
+        return bool(
+            (
+                (self.src_b[1:] == self.src_b[:-1] + gap_s)
+                & (self.dst_b[1:] == self.dst_b[:-1] + gap_d)
+            ).any()
+        )
+
+
+def _assemble(
+    parts: list[_Piece], so: IntArray, do: IntArray, n: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """One pair's coalesced descriptor arrays, written once from its pieces' factors into
+    `so`/`do`/`n` (sized for the uncoalesced pieces)."""
+    at = 0
+    for p in parts:
+        p.write(so[at : at + p.size], do[at : at + p.size], n[at : at + p.size])
+        at += p.size
+    # Runs are coalesced inside blocks already; merges across blocks or pieces are rare (a
+    # K buffer's last page next to the V buffer's first, say) and then the pair is coalesced
+    # whole (merging is associative, so the result is the same).
+    again = any(p.blocks_touch() for p in parts)
+    for prev, nxt in itertools.pairwise(parts):
+        (ps, pd, pn), _ = prev.ends()
+        _, (ns, nd) = nxt.ends()
+        again |= ps + pn == ns and pd + pn == nd
+    return _coalesce(so, do, n) if again else (so, do, n)
+
+
+def _hnd_pieces(
+    src: PoolLayout,
+    dst: PoolLayout,
+    layers: IntArray,
+    spages: IntArray,
+    dpages: IntArray,
+    tokens: _Tokens,
+) -> Iterator[tuple[int, int, _Piece]]:
+    """`_rank_group_pieces` for every destination rank, HND pages, one source rank per head:
+    the (pages × heads) offsets are computed once for the group, and each (source, destination)
+    piece takes the columns of the heads both own (a contiguous range)."""
+    m, row, P = src.model, src.row_bytes, src.topology.page_size
+    k, s_per, d_tp = m.num_key_value_heads, src.local_heads, dst.topology.tp_size
+    slot0, count = tokens
+    heads = np.arange(k, dtype=np.int64)
+    # A head's index inside its rank's pages: h mod heads-per-rank (0 where a rank holds one).
+    s_local = heads % s_per
+    d_local = heads % dst.local_heads
+    src_ph = (spages * src.page_bytes)[:, None] + (s_local[None, :] * P + slot0[:, None]) * row
+    dst_ph = (dpages * dst.page_bytes)[:, None] + (d_local[None, :] * P + slot0[:, None]) * row
+    run = count * row
+    kv = np.arange(2, dtype=np.int64)
+    first = int(layers[0])
+    src_b = (src.layer_base[layers][:, None] + src.kv_stride(first) * kv[None, :]).reshape(-1)
+    dst_b = (dst.layer_base[layers][:, None] + dst.kv_stride(first) * kv[None, :]).reshape(-1)
+    for d in range(d_tp):
+        dh = dst.topology.heads_of_rank(m, d)
+        for s in range(dh.start // s_per, (dh.stop - 1) // s_per + 1):
+            lo, hi = max(dh.start, s * s_per), min(dh.stop, (s + 1) * s_per)
+            w = hi - lo
+            piece = _Piece(
+                src_b,
+                dst_b,
+                *_coalesce(
+                    src_ph[:, lo:hi].reshape(-1),
+                    dst_ph[:, lo:hi].reshape(-1),
+                    np.repeat(run, w) if w > 1 else run,
+                ),
+            )
+            yield s, d, piece
+
+
+def _rank_group_pieces(
     src: PoolLayout,
     dst: PoolLayout,
     d: int,
@@ -200,11 +351,14 @@ def _rank_group_descs(
     spages: IntArray,
     dpages: IntArray,
     tokens: _Tokens,
-) -> Iterator[tuple[int, IntArray, IntArray, IntArray]]:
-    """Descriptors that destination rank `d` needs for one layer group, split by source rank.
+) -> Iterator[tuple[int, _Piece]]:
+    """Descriptors that destination rank `d` needs for one layer group, split by source rank
+    (ascending).
 
-    Built as arrays of shape (layers, K/V, pages, units) with units innermost, so that heads a
-    source rank holds side by side come out adjacent and coalesce.
+    Laid out as (layers, K/V, pages, units) with units innermost, so that heads a source rank
+    holds side by side come out adjacent and coalesce. Only arrays of (layers, K/V) and
+    (pages, units) are computed here; the full grid is materialised once, by `_Piece.write`,
+    into the pair's output arrays.
     """
     m, st, row = src.model, src.topology, src.row_bytes
     P = st.page_size
@@ -216,23 +370,24 @@ def _rank_group_descs(
         units = [(dheads[0], 0, dst.local_heads)]
 
     n_units = len(units)
+    n_layers = len(layers)
     # Source rank per (layer, K/V, unit): replicas take turns along (layer, K/V), continuing
     # the count across destination ranks (offset d·2·layers, not d: destination ranks that
     # share a replicated head are consecutive, so one round-robin runs over all their reads),
     # so each replica serves an equal share (±1 buffer) of every destination rank's reads and of
     # the pool's.
-    n_turns = 2 * len(layers)
-    turn = (d * n_turns + 2 * np.arange(len(layers))[:, None] + np.arange(2)[None, :]).astype(
-        np.int64
-    )
-    src_rank = np.empty((len(layers), 2, n_units), dtype=np.int64)
+    n_turns = 2 * n_layers
+    turn = d * n_turns + 2 * np.arange(n_layers, dtype=np.int64)[:, None] + np.arange(2)[None, :]
+    src_rank = np.empty((n_layers, 2, n_units), dtype=np.int64)
     src_j = np.empty(n_units, dtype=np.int64)
     dst_j = np.empty(n_units, dtype=np.int64)
     width = np.empty(n_units, dtype=np.int64)
+    replicated = False
     for u, (h, j, w) in enumerate(units):
-        owners = np.array(st.ranks_of_head(m, h), dtype=np.int64)
-        src_rank[:, :, u] = owners[turn % len(owners)]
-        src_j[u] = h - st.heads_of_rank(m, int(owners[0])).start
+        owners = st.ranks_of_head(m, h)
+        replicated |= len(owners) > 1
+        src_rank[:, :, u] = np.asarray(owners, dtype=np.int64)[turn % len(owners)]
+        src_j[u] = h - st.heads_of_rank(m, owners[0]).start
         dst_j[u] = j
         width[u] = w
 
@@ -246,34 +401,55 @@ def _rank_group_descs(
         nbytes = count[:, None] * width[None, :] * row
 
     kv = np.arange(2, dtype=np.int64)
-    s_kv = np.array([src.kv_stride(int(layers[0]))], dtype=np.int64) * kv
-    d_kv = np.array([dst.kv_stride(int(layers[0]))], dtype=np.int64) * kv
-    s_off = (
-        src.layer_base[layers][:, None, None, None]
-        + s_kv[None, :, None, None]
-        + (spages * src.page_bytes)[None, None, :, None]
-        + src_in[None, None, :, :]
-    )
-    d_off = (
-        dst.layer_base[layers][:, None, None, None]
-        + d_kv[None, :, None, None]
-        + (dpages * dst.page_bytes)[None, None, :, None]
-        + dst_in[None, None, :, :]
-    )
-    shape = s_off.shape
-    n_all = np.broadcast_to(nbytes[None, None, :, :], shape).reshape(-1)
+    first = int(layers[0])
+    src_b = (src.layer_base[layers][:, None] + src.kv_stride(first) * kv[None, :]).reshape(-1)
+    dst_b = (dst.layer_base[layers][:, None] + dst.kv_stride(first) * kv[None, :]).reshape(-1)
+    src_pu = (spages * src.page_bytes)[:, None] + src_in
+    dst_pu = (dpages * dst.page_bytes)[:, None] + dst_in
+
+    if not replicated:
+        # The serving rank depends on the unit alone: each source's piece is a slice of units,
+        # the same (pages, units) runs in every (layer, K/V) block.
+        by_unit = src_rank[0, 0]
+        for s in np.unique(by_unit):
+            sel = np.flatnonzero(by_unit == s)
+            yield (
+                int(s),
+                _Piece(
+                    src_b,
+                    dst_b,
+                    *_coalesce(
+                        src_pu[:, sel].reshape(-1),
+                        dst_pu[:, sel].reshape(-1),
+                        np.ascontiguousarray(nbytes[:, sel]).reshape(-1),
+                    ),
+                ),
+            )
+        return
+
+    shape = (n_layers, 2, len(spages), n_units)
+    s_all = (src_b.reshape(n_layers, 2)[:, :, None, None] + src_pu[None, None]).reshape(-1)
+    d_all = (dst_b.reshape(n_layers, 2)[:, :, None, None] + dst_pu[None, None]).reshape(-1)
+    n_all = np.broadcast_to(nbytes[None, None], shape).reshape(-1)
     r_all = np.broadcast_to(src_rank[:, :, None, :], shape).reshape(-1)
-    s_all, d_all = s_off.reshape(-1), d_off.reshape(-1)
-    for s in np.unique(r_all):
+    for s in np.unique(src_rank):
         sel = r_all == s
-        yield int(s), s_all[sel], d_all[sel], n_all[sel]
+        yield int(s), _Piece(flat=(s_all[sel], d_all[sel], n_all[sel]))
 
 
 def _coalesce(so: IntArray, do: IntArray, n: IntArray) -> tuple[IntArray, IntArray, IntArray]:
     """Merge neighbours that are contiguous on both sides (order is preserved)."""
     if len(n) < 2:
         return so, do, n
-    ends_s, ends_d = so[:-1] + n[:-1], do[:-1] + n[:-1]
-    brk = (so[1:] != ends_s) | (do[1:] != ends_d)
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    return so[starts], do[starts], np.add.reduceat(n, starts)
+    head = n[:-1]
+    brk = so[1:] != so[:-1] + head
+    brk |= do[1:] != do[:-1] + head
+    if brk.all():
+        return so, do, n
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    # A merged run's length is where its last piece ends minus where it starts.
+    last = np.empty_like(starts)
+    last[:-1] = starts[1:] - 1
+    last[-1] = len(n) - 1
+    s0 = so[starts]
+    return s0, do[starts], so[last] + n[last] - s0

@@ -17,9 +17,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from beamserve.kv_transfer import content
+from beamserve.kv_transfer import content, kernels
 from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
 from beamserve.kv_transfer.errors import KVTransferError, PeerLostError, TransferTimeoutError
+from beamserve.kv_transfer.memory import MemoryKind, allocate, copy_runs
+from beamserve.kv_transfer.staging import PoolStats, StagingPool
 from beamserve.kv_transfer.topology import PoolLayout, RequestPages
 
 # Extra seconds a rank gets past a call's own deadline before the group kills it.
@@ -34,44 +36,234 @@ class RankSpec:
     rank: int
     layout: PoolLayout
     backend: str
+    memory: MemoryKind = MemoryKind.DRAM
+    staging_bytes: int = 0  # this rank's staging pool (0: the staged path is not served)
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class GatherJob:
+    """Source side of one staged chunk: gather `src_offsets`/`lengths` (staging order)."""
+
+    chunk_id: int
+    src_offsets: np.ndarray[Any, np.dtype[np.int64]]
+    lengths: np.ndarray[Any, np.dtype[np.int64]]
+    needs_gather: bool
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """Destination side of one staged chunk: read `nbytes` at the peer's `remote_offset`, then
+    scatter to `dst_offsets`/`lengths` (or read straight into the region when contiguous)."""
+
+    peer: AgentInfo
+    remote_offset: int
+    dst_offsets: np.ndarray[Any, np.dtype[np.int64]]
+    lengths: np.ndarray[Any, np.dtype[np.int64]]
+    needs_scatter: bool
+
+
+@dataclass(frozen=True)
+class StagedReadResult:
+    bytes_moved: int
+    transfer_s: float
+    scatter_s: float
+    staging_bytes: int
 
 
 class _Rank:
-    """State inside a rank process; each public method is one pipe command."""
+    """State inside a rank process; each public method is one pipe command.
+
+    The registered buffer is `[KV region][staging area]`: one registration covers both, and the
+    staging pool hands out ranges of the second part.
+    """
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        self.region = np.zeros(spec.layout.region_bytes, dtype=np.uint8)
+        kv = spec.layout.region_bytes
+        self.buffer = allocate(spec.memory, kv + spec.staging_bytes, spec.device)
+        self.kv = self.buffer.view(0, kv)
+        # Host view of the KV region: the region itself for DRAM, a mirror for VRAM.
+        self.region = self.kv.data if spec.memory is MemoryKind.DRAM else np.zeros(kv, np.uint8)
+        self.pool = StagingPool(kv, spec.staging_bytes)
+        # The staging area as a buffer of its own (pool offsets minus `kv` index into it).
+        self.stage = (
+            self.buffer.alias(kv, kv + spec.staging_bytes)
+            if spec.staging_bytes
+            else self.buffer.view(kv, kv)
+        )
+        if spec.memory is MemoryKind.DRAM and spec.staging_bytes:
+            # Fault the staging pages in now: a first touch inside a timed gather costs more
+            # than the copy itself.
+            self.buffer.data[kv:].fill(0xA5)
+        self._held: dict[str, list[int]] = {}
+        if spec.memory is MemoryKind.VRAM:
+            kernels.engine()  # choose (and compile) the device copy engine before any timed copy
         self.agent = make_agent(spec.backend, f"{spec.group}-r{spec.rank}-{os.getpid()}")
-        self.info = self.agent.register(self.region)
+        self.info = self.agent.register(self.buffer)
+        self._scratch: Any = None
+
+    def _upload(self) -> None:
+        if self.spec.memory is MemoryKind.VRAM:
+            self.kv.upload(self.region)
+            self.kv.synchronize()
+
+    def _download(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        if self.spec.memory is MemoryKind.VRAM:
+            self.region = self.kv.host()
+        return self.region
 
     def fill_random(self, seed: int) -> None:
         content.fill_random(self.region, seed)
+        self._upload()
 
     def write_request(self, seq_len: int, pages: RequestPages, seed: int) -> None:
         content.write_request(self.region, self.spec.layout, self.spec.rank, seq_len, pages, seed)
+        self._upload()
 
     def read(self, ops: list[ReadOp], deadline_s: float) -> tuple[int, float]:
         t0 = time.perf_counter()
         moved = self.agent.read_all(ops, time.monotonic() + deadline_s)
+        self.buffer.synchronize()
         return moved, time.perf_counter() - t0
+
+    # -- the staged path -----------------------------------------------------------------------
+    def gather(self, tag: str, jobs: list[GatherJob]) -> tuple[list[int], float]:
+        """Gather each job into a staging buffer held under `tag`; returns each job's offset in
+        the registered buffer (the region's own offset where no gather is needed) and seconds."""
+        t0 = time.perf_counter()
+        held = self._held.setdefault(tag, [])
+        out = []
+        try:
+            for job in jobs:
+                if not job.needs_gather:
+                    out.append(int(job.src_offsets[0]))
+                    continue
+                off = self.pool.allocate(int(job.lengths.sum()))
+                held.append(off)
+                rel = off - self.pool.base
+                stage = rel + np.concatenate(([0], np.cumsum(job.lengths)[:-1])).astype(np.int64)
+                copy_runs(self.kv, job.src_offsets, self.stage, stage, job.lengths)
+                out.append(off)
+            self.buffer.synchronize()
+        except BaseException:
+            self.release_staging(tag)
+            raise
+        return out, time.perf_counter() - t0
+
+    def release_staging(self, tag: str) -> int:
+        """Return every buffer held under `tag` (idempotent); returns how many there were."""
+        held = self._held.pop(tag, [])
+        for off in held:
+            self.pool.release(off)
+        return len(held)
+
+    def read_staged(self, reads: list[StagedRead], deadline_s: float) -> StagedReadResult:
+        """Read each chunk as one descriptor, then scatter it; staging buffers are returned to
+        the pool on every path (done, timed out, peer lost)."""
+        local: list[int] = []
+        taken: list[int] = []
+        try:
+            for r in reads:
+                if r.needs_scatter:
+                    off = self.pool.allocate(int(r.lengths.sum()))
+                    taken.append(off)
+                    local.append(off)
+                else:
+                    local.append(int(r.dst_offsets[0]))
+            by_peer: dict[str, list[int]] = {}
+            for i, r in enumerate(reads):
+                by_peer.setdefault(r.peer.name, []).append(i)
+            ops = [
+                ReadOp(
+                    reads[idx[0]].peer,
+                    np.array([local[i] for i in idx], dtype=np.int64),
+                    np.array([reads[i].remote_offset for i in idx], dtype=np.int64),
+                    np.array([int(reads[i].lengths.sum()) for i in idx], dtype=np.int64),
+                )
+                for idx in by_peer.values()
+            ]
+            t0 = time.perf_counter()
+            moved = self.agent.read_all(ops, time.monotonic() + deadline_s)
+            self.buffer.synchronize()
+            t1 = time.perf_counter()
+            staged = 0
+            for r, off in zip(reads, local, strict=True):
+                if r.needs_scatter:
+                    rel = off - self.pool.base
+                    stage = rel + np.concatenate(([0], np.cumsum(r.lengths)[:-1])).astype(np.int64)
+                    staged += copy_runs(self.stage, stage, self.kv, r.dst_offsets, r.lengths)
+            self.buffer.synchronize()
+            t2 = time.perf_counter()
+            return StagedReadResult(moved, t1 - t0, t2 - t1, staged)
+        finally:
+            for off in taken:
+                self.pool.release(off)
+
+    def copy_engine(self) -> str:
+        """What `copy_runs` uses here: "numpy" (DRAM), "triton" or "torch" (VRAM)."""
+        return kernels.engine() if self.spec.memory is MemoryKind.VRAM else "numpy"
+
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats
+
+    # -- the same-run VRAM baseline: one cudaMemcpy between two processes through CUDA IPC ------
+    def export_scratch(self, nbytes: int) -> bytes:
+        from beamserve.kv_transfer.backends.cuda_ipc import export_handle
+
+        self._scratch = allocate(MemoryKind.VRAM, nbytes, self.spec.device).data
+        self._scratch.fill_(7)
+        return export_handle(self._scratch)
+
+    def copy_from_scratch(self, blob: bytes, repeats: int = 3) -> float:
+        """Median seconds of one device-to-device copy of the peer's whole scratch buffer."""
+        import torch
+        from beamserve.kv_transfer.backends.cuda_ipc import open_handle
+
+        remote = open_handle(blob)
+        local = torch.empty_like(remote)
+        local.copy_(remote)
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            local.copy_(remote)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        ok = bool(torch.equal(local[:4096], remote[:4096]))
+        del local, remote
+        torch.cuda.synchronize()
+        if not ok:
+            raise KVTransferError("baseline: CUDA IPC copy read different bytes")
+        return float(np.median(times))
+
+    def drop_scratch(self) -> None:
+        self._scratch = None
+        if self.spec.memory is MemoryKind.VRAM:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def verify(
         self, seq_len: int, pages: RequestPages, seed: int, sentinel_seed: int
     ) -> content.VerifyResult:
         return content.verify_request(
-            self.region, self.spec.layout, self.spec.rank, seq_len, pages, seed, sentinel_seed
+            self._download(), self.spec.layout, self.spec.rank, seq_len, pages, seed, sentinel_seed
         )
 
     def checksums(self, seq_len: int, pages: RequestPages) -> dict[content.SliceKey, int]:
         return content.slice_checksums(
-            self.region, self.spec.layout, self.spec.rank, seq_len, pages
+            self._download(), self.spec.layout, self.spec.rank, seq_len, pages
         )
 
     def stats(self) -> AgentStats:
         return self.agent.stats()
 
     def close(self) -> AgentStats:
+        for tag in list(self._held):
+            self.release_staging(tag)
         self.agent.close()
         return self.agent.stats()
 
@@ -109,8 +301,17 @@ def _portable(exc: BaseException) -> BaseException:
 class RankGroup:
     """The processes of one pool's TP group (one per rank), each with a registered KV region."""
 
-    def __init__(self, group: str, layout: PoolLayout, backend: str) -> None:
+    def __init__(
+        self,
+        group: str,
+        layout: PoolLayout,
+        backend: str,
+        memory: MemoryKind = MemoryKind.DRAM,
+        staging_bytes: int = 0,
+        device: int = 0,
+    ) -> None:
         self.group, self.layout, self.backend = group, layout, backend
+        self.memory, self.staging_bytes = MemoryKind(memory), staging_bytes
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -120,7 +321,10 @@ class RankGroup:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(child, RankSpec(group, r, layout, backend)),
+                    args=(
+                        child,
+                        RankSpec(group, r, layout, backend, self.memory, staging_bytes, device),
+                    ),
                     name=f"{group}-rank{r}",
                     daemon=True,
                 )
@@ -149,11 +353,20 @@ class RankGroup:
         timeout_s: float,
     ) -> list[Any]:
         """Send `cmd` to every rank in `ranks` at once, then collect answers in rank order."""
+        sent: list[int] = []
+        first_err: BaseException | None = None
         for r in ranks:
-            self._send(r, cmd, args(r))
+            try:
+                self._send(r, cmd, args(r))
+                sent.append(r)
+            except PeerLostError as exc:  # still collect the ranks already sent to
+                first_err = first_err or exc
         deadline = time.monotonic() + timeout_s
-        results, first_err = [], None
+        results: list[Any] = []
         for r in ranks:
+            if r not in sent:
+                results.append(None)
+                continue
             try:
                 results.append(self._recv(r, max(0.0, deadline - time.monotonic())))
             except BaseException as exc:  # keep draining the others so pipes stay in step

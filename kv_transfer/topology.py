@@ -218,7 +218,7 @@ class RequestPages:
                     f"{side}_pages.{name}: page ids must lie in [0, {limit}); got "
                     f"[{pages.min()}, {pages.max()}]"
                 )
-            if len(np.unique(pages)) != len(pages):
+            if len(pages) and np.bincount(pages, minlength=limit).max() > 1:
                 raise TransferPlanError(f"{side}_pages.{name}: a page id appears twice")
 
 

@@ -18,6 +18,7 @@ import functools
 import json
 import re
 import zlib
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,18 +178,28 @@ _WORDS = (  # noqa: SIM905 (one readable block)
 ).split()
 
 
-_PIECE_MEMO_MAX = 1 << 17  # distinct pieces remembered by one ApproxCodec (≈ 15 MB at most)
+_UNIT = re.compile(r"\S+\s*|\s+")
+# A unit is a run of non-space characters with the whitespace run after it (or a leading
+# whitespace run). It ends where a non-space character follows whitespace — a change of piece
+# class, where tokenization restarts whatever came before — so a text's pieces are its units'
+# pieces one after another, and a unit can be memoized as a whole: one match of a simple regex
+# for every two pieces or more, not one per piece.
+_UNIT_MEMO_MAX = 1 << 17  # distinct units remembered by one ApproxCodec (≈ 20 MB at most)
+_U32 = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type
 
 
-class _PieceIds(dict[str, int]):
-    """piece → `crc32(piece) mod span + 16`, computed on first sight (`ApproxCodec.encode`)."""
+class _UnitIds(dict[str, bytes]):
+    """unit → its pieces' ids (`crc32(piece) mod span + 16` each) as native uint32 bytes,
+    computed on first sight (`ApproxCodec.encode_u32`)."""
 
     def __init__(self, span: int) -> None:
         super().__init__()
         self.span = span
 
-    def __missing__(self, piece: str) -> int:
-        v = self[piece] = zlib.crc32(piece.encode()) % self.span + 16
+    def __missing__(self, unit: str) -> bytes:
+        span = self.span
+        ids = [zlib.crc32(p.encode()) % span + 16 for p in _PIECE.findall(unit)]
+        v = self[unit] = array(_U32, ids).tobytes()
         return v
 
 
@@ -215,18 +226,22 @@ class ApproxCodec:
         parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
-    _ids: _PieceIds = field(
-        default_factory=lambda: _PieceIds(0), init=False, repr=False, compare=False
+    _units: _UnitIds = field(
+        default_factory=lambda: _UnitIds(0), init=False, repr=False, compare=False
     )
 
     def encode(self, text: str) -> list[int]:
-        # Same ids as `[crc32(p.encode()) % span + 16 for p in pieces]`, through a bounded memo
-        # of piece → id (pieces repeat: words, spaces, punctuation), so a known piece costs a
-        # dict lookup inside `map` rather than an encode and a crc32.
-        ids = self._ids
-        if ids.span != self.vocab_size - 16 or len(ids) > _PIECE_MEMO_MAX:
-            ids = self._ids = _PieceIds(self.vocab_size - 16)
-        return list(map(ids.__getitem__, _PIECE.findall(text)))
+        return array(_U32, self.encode_u32(text)).tolist()
+
+    def encode_u32(self, text: str) -> bytes:
+        """`encode(text)` as native-endian uint32 bytes (what `array("I", ids).tobytes()`
+        gives), built without an int per token: the ids of `[crc32(p.encode()) % span + 16
+        for p in pieces]`, through a bounded memo of unit → bytes (`_UNIT`; units repeat:
+        words and the space after them), joined in C. Needs `vocab_size` ≤ 2^32."""
+        units = self._units
+        if units.span != self.vocab_size - 16 or len(units) > _UNIT_MEMO_MAX:
+            units = self._units = _UnitIds(self.vocab_size - 16)
+        return b"".join(map(units.__getitem__, _UNIT.findall(text)))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(_WORDS[t % len(_WORDS)] + " " for t in token_ids if t >= 16)

@@ -35,6 +35,8 @@ __all__ = [
     "HashingError",
     "block_hashes",
     "canonical_cbor",
+    "chain_sglang_u32",
+    "chain_vllm",
     "hash_blocks_sglang",
     "hash_blocks_vllm",
     "none_hash",
@@ -250,6 +252,30 @@ def hash_blocks_vllm(
     return out
 
 
+def chain_vllm(
+    token_ids: Sequence[int], block_size: int, parent: bytes | None = None
+) -> list[tuple[bytes, int]]:
+    """``[(b.digest, b.event_id) for b in hash_blocks_vllm(token_ids, block_size, parent)]``
+    for the default ``sha256`` and no extra keys, in one tight loop without ``BlockHash``
+    objects (the router hashes every prompt it has not seen). ``token_ids`` must be plain
+    ints (a subclass would pickle differently); ``parent`` None or empty: ``NONE_HASH``."""
+    if block_size <= 0:
+        raise HashingError(f"block_size must be positive, got {block_size}")
+    prev = parent or none_hash()
+    dumps, sha256, proto, from_bytes = (
+        pickle.dumps,
+        hashlib.sha256,
+        pickle.HIGHEST_PROTOCOL,
+        int.from_bytes,
+    )
+    out: list[tuple[bytes, int]] = []
+    for i in range(0, len(token_ids) // block_size * block_size, block_size):
+        digest = sha256(dumps((prev, tuple(token_ids[i : i + block_size]), None), proto)).digest()
+        out.append((digest, from_bytes(digest[-8:], "big")))
+        prev = digest
+    return out
+
+
 # --- SGLang ----------------------------------------------------------------------------------
 
 
@@ -308,6 +334,28 @@ def hash_blocks_sglang(
         h.update(_sglang_page_bytes(page))
         digest = h.digest()
         out.append(BlockHash(digest, sglang_event_int(digest), len(page)))
+        prev = digest
+    return out
+
+
+def chain_sglang_u32(
+    page_bytes: bytes, page_size: int, parent: bytes | None = None
+) -> list[tuple[bytes, int]]:
+    """(digest, event id) of each FULL page of tokens given as little-endian uint32 bytes (4 a
+    token): what ``hash_blocks_sglang(ids, page_size, parent, include_partial=False)`` gives
+    for those ids (all below 2^32, so SGLang hashes exactly these bytes), without decoding
+    them. ``parent`` None or empty: no previous digest (no salt)."""
+    if page_size <= 0:
+        raise HashingError(f"page_size must be positive, got {page_size}")
+    step = 4 * page_size
+    prev = parent or None
+    sha256, from_bytes = hashlib.sha256, int.from_bytes
+    out: list[tuple[bytes, int]] = []
+    for i in range(0, len(page_bytes) // step * step, step):
+        h = sha256(prev) if prev is not None else sha256()
+        h.update(page_bytes[i : i + step])
+        digest = h.digest()
+        out.append((digest, from_bytes(digest[:8], "big", signed=True)))
         prev = digest
     return out
 

@@ -844,6 +844,14 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 "scatter); set type redis or external, or router.replicas 1",
             )
         )
+    if r.replica_sync.channel is not None and s.type == "memory":
+        out.append(
+            Violation(
+                "spec.router.replicaSync.channel",
+                "replica sync runs over the Redis session store, and sessionStore is memory; "
+                "set sessionStore.type redis or external, or remove the channel",
+            )
+        )
     if s.type == "external" and (s.url is None) == (s.url_secret_ref is None):
         out.append(
             Violation(

@@ -313,6 +313,18 @@ class SessionStoreSpec(_Model):
     url_secret_ref: SecretKeyRef | None = None
 
 
+class ReplicaSyncSpec(_Model):
+    """Routers sharing their bookings, routing-time predictions and flow-control room over the
+    session store's Redis (pub/sub), so each replica routes as if it saw all the traffic."""
+
+    enabled: bool = True
+    """Takes effect with a Redis session store (`redis` or `external`); false: each replica
+    learns the others' load from the workers' metrics only."""
+    channel: Annotated[str, Field(pattern=r"^\S+$", max_length=256)] | None = None
+    """The pub/sub channel (default: from the session key prefix, `beamserve:session-sync`);
+    set it when two deployments share one Redis."""
+
+
 class DisaggregationSpec(_Model):
     """When the router sends a prefill to the prefill pool (else colocated on decode)."""
 
@@ -365,6 +377,7 @@ class RouterConfig(_Model):
     flow_control: FlowControlSpec = FlowControlSpec()
     saturation: SaturationSpec = SaturationSpec()
     session_store: SessionStoreSpec = SessionStoreSpec()
+    replica_sync: ReplicaSyncSpec = ReplicaSyncSpec()
     api_keys_secret_ref: SecretKeyRef | None = None
     """A Secret key holding the API keys (JSON `{key: {tenant, priority, rate_per_s, burst}}`);
     unset: no key required."""

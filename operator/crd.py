@@ -307,9 +307,13 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], field: str | None) -
     if kind == "array":
         node["items"] = _structural(node.get("items", {}), defs, field)
         if field == "conditions":
-            # one condition per type, merged by type under server-side apply
+            # one condition per type, merged by type under server-side apply; a map key must
+            # be required (or carry a non-empty default: 1.20 refuses `default: ""` as null)
             node["x-kubernetes-list-type"] = "map"
             node["x-kubernetes-list-map-keys"] = ["type"]
+            items = node["items"]
+            required = list(items.get("required", []))
+            items["required"] = required + [k for k in ("type",) if k not in required]
         if node.get("default") == []:
             node.pop("default")
     if kind == "object" and "properties" in node:
@@ -419,7 +423,9 @@ def crd(*, cel: bool = True) -> dict[str, Any]:
 
 
 def crd_without_cel() -> dict[str, Any]:
-    """`crd()` without CEL rules, for API servers that refuse them (1.20 under SSA)."""
+    """`crd()` without CEL rules, for API servers that refuse them (1.20 under SSA); it installs
+    there as it is: the schema carries no `default: ""` (1.20 reads it as null and refuses
+    it) and every list-map key is required."""
     return crd(cel=False)
 
 

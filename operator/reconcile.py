@@ -11,13 +11,18 @@ call it on every event of a BeamDeployment, its BeamPools and its workloads.
 * **Scale**: one `BeamPool` per pool (`operator/scaler.py`); its `spec.replicas` is the pool's
   size, pushed from `spec.<role>.replicas` only when that changes.
 * **Retire**: pool objects of another revision than the spec's stay while the new revision is
-  not ready. Once every pool of the new revision is ready, the old workloads are scaled to 0
-  (their pods get `terminationGracePeriodSeconds` = the drain timeout to finish in-flight
-  requests; the router stops sending to them as soon as they are not ready) and stamped
-  `beamserve.io/retiring-since`. A revision is **drained** when its workloads have no pods left
-  (`status.replicas == 0`) or `rollout.drainTimeoutSeconds` passed since the stamp; then its
-  workloads, Services and PDBs are deleted.
-* **Prune**: any other child (same owner, not desired any more) is deleted.
+  not ready. Once every pool of the new revision is ready, the old workloads are stamped
+  `beamserve.io/retiring-since` and the old Services deleted: router discovery drops those
+  workers, so they get no new requests, while their pods keep running the ones they have. Each
+  reconcile then asks every ready router replica (`operator/drain.py`, `GET /admin/workers`);
+  the revision is **drained** when all answer, none still lists its workers and nothing is in
+  flight on them (or no router replica is ready), or **timed out** when
+  `rollout.drainTimeoutSeconds` passed since the stamp (a `DrainTimedOut` Warning event says
+  what was left). Then its workloads and PDBs are deleted (pods still get
+  `terminationGracePeriodSeconds` = the drain timeout) and a `RevisionRetired` event is posted.
+  While it waits, `Progressing` (`RetiringRevision`) says what the routers reported.
+* **Prune**: any other child (same owner, not desired any more) is deleted, BeamPools of pools
+  the spec no longer has included (`scaler.stale_pools`).
 * **Status**: `observedGeneration`, conditions Ready / Progressing / Degraded, per pool
   replicas / readyReplicas / updatedReplicas / selector, current and update revision, router
   endpoint — written to `/status` only when it changed.
@@ -29,11 +34,11 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from beamserve.operator import scaler
+from beamserve.operator import drain, scaler
 from beamserve.operator.api import API_VERSION
 from beamserve.operator.desired import (
     FIELD_MANAGER,
@@ -113,6 +118,7 @@ def managed_kinds(facts: ClusterFacts) -> list[tuple[str, str]]:
 class Result:
     writes: int = 0
     status: dict[str, Any] | None = None
+    draining: list[str] = field(default_factory=list)  # "<rev>: what the routers said"
 
 
 class Reconciler:
@@ -124,10 +130,13 @@ class Reconciler:
         facts: ClusterFacts,
         *,
         clock: Callable[[], float] = time.time,
+        router_get: Callable[[str], Mapping[str, Any]] | None = None,
     ) -> None:
         self.client = client
         self.facts = facts
         self.clock = clock
+        self.router_get = router_get or drain.http_get_json()
+        self._slices: str | None = None  # the EndpointSlice apiVersion served
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -174,7 +183,7 @@ class Reconciler:
         for obj in objects:
             self._apply(obj, result)
         self._retire_and_prune(body, bd, namespace, objects, result)
-        status = self._status(body, bd, namespace, problem=None)
+        status = self._status(body, bd, namespace, problem=None, draining=result.draining)
         self._sync_scalers(bd, namespace, status, result)
         self._write_status(body, status, result)
         if result.writes:
@@ -262,7 +271,20 @@ class Reconciler:
                 result.writes += 1
                 current = pool.replicas
             out[role] = int(current if current is not None else pool.replicas)
+        self._prune_scalers(bd, body, result)
         return out
+
+    def _prune_scalers(self, bd: Any, body: Mapping[str, Any], result: Result) -> None:
+        """Delete the BeamPools of pools the spec no longer has (`scaler.stale_pools`)."""
+        res = self._res(API_VERSION, scaler.KIND)
+        meta = body["metadata"]
+        selector = f"{LABEL_INSTANCE}={meta['name']},{LABEL_MANAGED_BY}={MANAGED_BY}"
+        live = res.get(namespace=meta["namespace"], label_selector=selector).to_dict()
+        wanted = [child_name(bd.metadata.name, role) for role in bd.spec.pools()]
+        for name in scaler.stale_pools(live.get("items", []), meta["uid"], wanted):
+            log.info("prune_beampool", deployment=meta["name"], beampool=name)
+            ref = {"name": name, "namespace": meta["namespace"]}
+            self._delete({"apiVersion": API_VERSION, "kind": scaler.KIND, "metadata": ref}, result)
 
     def _sync_scalers(
         self, bd: Any, namespace: str, status: Mapping[str, Any], result: Result
@@ -333,35 +355,116 @@ class Reconciler:
         if not self._pools_ready(bd, namespace):
             return  # the old revision serves until the new one can
         drain_s = bd.spec.rollout.drain_timeout_seconds
-        for objs in old.values():
-            workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
-            drained = True
-            for w in workloads:
-                annotations = w["metadata"].get("annotations") or {}
-                since = annotations.get(ANNOTATION_RETIRING)
-                if since is None or w["spec"].get("replicas", 0) != 0:
-                    self._res(w["apiVersion"], w["kind"]).patch(
-                        body={
-                            "metadata": {
-                                "annotations": {
-                                    ANNOTATION_RETIRING: since or _rfc3339(self.clock())
-                                }
-                            },
-                            "spec": {"replicas": 0},
-                        },
-                        name=w["metadata"]["name"],
-                        namespace=namespace,
-                        content_type="application/merge-patch+json",
-                    )
-                    result.writes += 1
-                    drained = False
-                    continue
-                pods_left = (w.get("status") or {}).get("replicas", 0)
-                if pods_left and self.clock() - _parse_rfc3339(since) < drain_s:
-                    drained = False
-            if drained:
-                for o in objs:
-                    self._delete(o, result)
+        for old_rev, objs in sorted(old.items()):
+            self._retire(body, namespace, old_rev, objs, drain_s, result)
+
+    def _retire(
+        self,
+        body: Mapping[str, Any],
+        namespace: str,
+        old_rev: str,
+        objs: list[Object],
+        drain_s: int,
+        result: Result,
+    ) -> None:
+        """Unroute `old_rev` (stamp its workloads, delete its Services), then remove its
+        workloads and PDBs once the routers report it drained or the timeout ran out."""
+        workloads = [o for o in objs if o["kind"] in WORKLOAD_KINDS]
+        stamps = []
+        for w in workloads:
+            since = (w["metadata"].get("annotations") or {}).get(ANNOTATION_RETIRING)
+            if since is None:
+                since = _rfc3339(self.clock())
+                self._res(w["apiVersion"], w["kind"]).patch(
+                    body={"metadata": {"annotations": {ANNOTATION_RETIRING: since}}},
+                    name=w["metadata"]["name"],
+                    namespace=namespace,
+                    content_type="application/merge-patch+json",
+                )
+                result.writes += 1
+            stamps.append(_parse_rfc3339(since))
+        for svc in [o for o in objs if o["kind"] == "Service"]:
+            self._delete(svc, result)  # router discovery drops the workers: no new requests
+        report = self.ask_routers(body, namespace, old_rev)
+        since_s = min(stamps) if stamps else self.clock()
+        verdict = drain.drain_verdict(report, since_s, self.clock(), drain_s)
+        log.info(
+            "retiring_revision",
+            deployment=body["metadata"]["name"],
+            revision=old_rev,
+            verdict=verdict,
+            detail=report.describe(),
+        )
+        if verdict == "wait":
+            result.draining.append(f"{old_rev}: {report.describe()}")
+            return
+        if verdict == "timed_out":
+            self._event(
+                body,
+                "Warning",
+                "DrainTimedOut",
+                f"revision {old_rev}: rollout.drainTimeoutSeconds={drain_s} passed with "
+                f"{report.describe()}; removing it anyway",
+                result,
+            )
+        else:
+            message = f"revision {old_rev} drained ({report.describe()}); removing it"
+            self._event(body, "Normal", "RevisionRetired", message, result)
+        for o in objs:
+            if o["kind"] != "Service":
+                self._delete(o, result)
+
+    def ask_routers(
+        self, body: Mapping[str, Any], namespace: str, revision: str
+    ) -> drain.DrainReport:
+        """What every ready router replica says about `revision` (`operator/drain.py`)."""
+        version = self._slice_api_version()
+        selector = f"kubernetes.io/service-name={child_name(body['metadata']['name'], 'router')}"
+        items = self._res(version, "EndpointSlice").get(
+            namespace=namespace, label_selector=selector
+        )
+        addresses = drain.router_addresses(items.to_dict().get("items", []))
+        return drain.ask_routers(addresses, revision, self.router_get)
+
+    def _slice_api_version(self) -> str:
+        if self._slices is None:
+            try:
+                self.client.resources.get(api_version="discovery.k8s.io/v1", kind="EndpointSlice")
+                self._slices = "discovery.k8s.io/v1"
+            except ResourceNotFoundError:
+                self._slices = "discovery.k8s.io/v1beta1"
+        return self._slices
+
+    def _event(
+        self, body: Mapping[str, Any], kind: str, reason: str, message: str, result: Result
+    ) -> None:
+        """A core/v1 Event on the BeamDeployment (`kubectl describe bd` shows it)."""
+        meta = body["metadata"]
+        now = _rfc3339(self.clock())
+        self._res("v1", "Event").create(
+            body={
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": API_VERSION,
+                    "kind": "BeamDeployment",
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta["uid"],
+                },
+                "type": kind,
+                "reason": reason,
+                "message": message,
+                "source": {"component": "beamserve-operator"},
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            },
+            namespace=meta["namespace"],
+        )
+        result.writes += 1
+        log.info("event", deployment=meta["name"], type=kind, reason=reason, message=message)
 
     def _delete(self, obj: Object, result: Result) -> None:
         try:
@@ -391,7 +494,13 @@ class Reconciler:
         return True
 
     def _status(
-        self, body: Mapping[str, Any], bd: Any, namespace: str, *, problem: str | None
+        self,
+        body: Mapping[str, Any],
+        bd: Any,
+        namespace: str,
+        *,
+        problem: str | None,
+        draining: list[str] | None = None,
     ) -> dict[str, Any]:
         previous = dict(body.get("status") or {})
         rev = revision(bd.spec)
@@ -449,10 +558,11 @@ class Reconciler:
             if updating:
                 progressing = (True, "RollingOut", f"revision {rev}: " + "; ".join(not_ready))
             elif old_present:
+                detail = f": {'; '.join(draining)}" if draining else ""
                 progressing = (
                     True,
                     "RetiringRevision",
-                    f"draining revision(s) {', '.join(sorted(old_present))}",
+                    f"draining revision(s) {', '.join(sorted(old_present))}{detail}",
                 )
             else:
                 progressing = (False, "Converged", f"revision {rev} serves")

@@ -92,7 +92,10 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
         "max_body_bytes": config.max_body_bytes,
         "scrape_interval_s": config.scrape_interval_seconds,
         "prefill_timeout_s": config.prefill_timeout_seconds,
+        "replica_sync": config.replica_sync.enabled,
     }
+    if config.replica_sync.channel is not None:
+        out["sync_channel"] = config.replica_sync.channel
     if config.grpc_port is not None:
         out["grpc_port"] = config.grpc_port
     if config.session_store.type == "external" and config.session_store.url is not None:

@@ -12,10 +12,15 @@ Ownership of the number: `spec.<role>.replicas` of the BeamDeployment is pushed 
 BeamPool only when it *changes* (the value last pushed is kept in the annotation
 `beamserve.io/spec-replicas`); between such changes the BeamPool's value — the autoscaler's —
 wins, and the operator never writes it back.
+
+Pruning: a BeamPool whose pool left the spec (`prefill` + `decode` became one `both` pool, or
+the reverse) is deleted — only one the BeamDeployment controls (its controller owner
+reference's uid), found by the labels the operator sets; one somebody else made is left alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
@@ -100,3 +105,20 @@ def scaler_crd() -> dict[str, Any]:
 
 def scaler_crd_yaml() -> str:
     return HEADER + str(yaml.safe_dump(scaler_crd(), sort_keys=False, width=100))
+
+
+def stale_pools(
+    live: Iterable[Mapping[str, Any]], owner_uid: str, wanted: Iterable[str]
+) -> list[str]:
+    """Names of the BeamPools in `live` (listed by the operator's labels) that the
+    BeamDeployment with uid `owner_uid` controls and whose names are not in `wanted`
+    (`<bd>-<role>` of the spec's pools), sorted."""
+    keep = set(wanted)
+    out = []
+    for pool in live:
+        meta = pool.get("metadata") or {}
+        refs = meta.get("ownerReferences") or []
+        owned = any(r.get("uid") == owner_uid and r.get("controller") for r in refs)
+        if owned and meta.get("name") not in keep:
+            out.append(str(meta["name"]))
+    return sorted(out)

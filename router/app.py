@@ -168,13 +168,19 @@ class Router:
         hasher: PromptHasher,
         settings: RouterSettings | None = None,
         kv_event_totals: Callable[[], dict[str, float]] | None = None,
+        replica_sync: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.core, self.endpoints, self.sessions, self.flow = core, endpoints, sessions, flow
+        # `RouterRuntime.sync_report`: replica sync's health and the peers' bookings (None: off)
+        self._sync_report = replica_sync
         self.upstreams, self.hasher = upstreams, hasher
         self.settings = settings or RouterSettings()
         self._buckets: dict[str, _Bucket] = {}
         self._kv_totals = kv_event_totals or dict
         self.metrics = RouterMetrics(self._live)
+        # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
+        self._dispatches: dict[int, Dispatch] = {}
+        self._sweep_at = 64
 
     # --- metrics ---------------------------------------------------------------------------------
     def _live(self) -> dict[str, Any]:
@@ -198,7 +204,49 @@ class Router:
             "session_degraded": bool(self.sessions.health().get("degraded", False)),
             "shed": dict(stats.shed),
             "kv_events": self._kv_totals(),
+            "replica_sync": self._sync_report() if self._sync_report is not None else None,
         }
+
+    def _track(self, d: Dispatch) -> None:
+        self._dispatches[id(d)] = d
+        if len(self._dispatches) >= self._sweep_at:
+            self._dispatches = {k: v for k, v in self._dispatches.items() if not v.closed}
+            self._sweep_at = max(64, 2 * len(self._dispatches))
+
+    def worker_report(self) -> dict[str, Any]:
+        """`GET /admin/workers`: requests in flight per worker — every discovered worker, and
+        workers that left discovery while requests sent to them are still running (a
+        retiring revision draining: the operator removes it once these reach 0). A request
+        counts on its decode worker until it ends, and on its prefill worker until the
+        first token."""
+        busy: dict[str, int] = {}
+        seen: dict[str, Endpoint] = {}
+        self._dispatches = {k: d for k, d in self._dispatches.items() if not d.closed}
+        for d in self._dispatches.values():
+            if d.decision is None or d.phase not in ("dispatched", "streaming"):
+                continue
+            workers = [d.decision.decode]
+            if d.decision.prefill is not None and d.phase == "dispatched":
+                workers.append(d.decision.prefill)
+            for e in workers:
+                busy[e.id] = busy.get(e.id, 0) + 1
+                seen.setdefault(e.id, e)
+        discovered = {e.id: e for e in self.endpoints()}
+        out = []
+        for wid, e in sorted({**seen, **discovered}.items()):
+            out.append(
+                {
+                    "id": wid,
+                    "url": e.url,
+                    "role": e.role,
+                    "pool": e.pool,
+                    "revision": e.revision,
+                    "engine": e.engine,
+                    "in_flight": busy.get(wid, 0),
+                    "discovered": wid in discovered,
+                }
+            )
+        return {"workers": out, "in_flight": self.core.open_dispatches}
 
     # --- admission -------------------------------------------------------------------------------
     def _authenticate(self, request: Request, dialect: api_errors.ErrorDialect) -> KeyPolicy:
@@ -285,6 +333,7 @@ class Router:
         self.check_length(rreq, call, dialect)
         ticket = await self._admit(request, rreq.band, rreq.tenant, rreq.prompt_tokens, dialect)
         d = self.core.open(rreq, ticket)
+        self._track(d)
         try:
             turn = _Turn(api, dialect, parsed, call, d)
             # Until the answer starts, a client that goes away cancels the upstream call (the
@@ -678,6 +727,10 @@ def build_router_app(router: Router) -> RouterASGI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/workers")
+    async def worker_report() -> Response:
+        return JSONResponse(router.worker_report())
 
     @app.get("/debug/workers")
     async def workers() -> Response:

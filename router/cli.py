@@ -80,6 +80,17 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--hash-scheme", choices=("vllm", "sglang"), default="vllm",
                    help="block hashes (and KV events) for workers that report none")  # fmt: skip
     p.add_argument("--redis", default=None, help="redis://host:port/db for shared sessions")
+    p.add_argument(
+        "--replica-sync",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --redis: share this replica's bookings and routing-time predictions with "
+        "the other router replicas over Redis pub/sub (router/sync.py); --no-replica-sync: "
+        "learn their load from scrapes only",
+    )
+    p.add_argument("--sync-channel", default=None, metavar="NAME",
+                   help="Redis pub/sub channel of replica sync (default: from the session "
+                   "key prefix, beamserve:session-sync)")  # fmt: skip
     p.add_argument("--api-keys", type=_json_arg, default=None,
                    help='JSON {key: {"tenant", "priority": new|sheddable, "rate_per_s", '
                    '"burst"}} or a file; without it no key is required')  # fmt: skip
@@ -162,6 +173,8 @@ def runtime_config(args: argparse.Namespace) -> Any:
         sliding_window=args.sliding_window,  # None: config.json of --tokenizer, else 512
         hash_scheme=args.hash_scheme,
         redis_url=args.redis,
+        replica_sync=args.replica_sync,
+        sync_channel=args.sync_channel,
         scrape_interval_s=args.scrape_interval_s,
         prefill_timeout_s=args.prefill_timeout_s,
         settings=settings,

@@ -29,7 +29,8 @@ and scraped load, breaker health, the session's warm worker), lets the policy pi
 worker among decode-capable endpoints, then lets conditional disaggregation add a prefill
 worker that pairs with it (same revision and KV layout). `dispatched` writes predicted index
 entries (TTL `predict_ttl_s`) for the workers that will hold the prompt's KV, bridging the gap
-until their own KV events arrive, and books the request's load.
+until their own KV events arrive (and hands the ones the index lacked to `on_predict`: replica
+sync shares them with the other router replicas), and books the request's load.
 
 The HTTP front door, the gRPC services and the benchmark replay all call this same code.
 """
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from beamserve.kvwire.geometry import DEFAULT_GEOMETRY, KVGeometry
@@ -122,6 +123,10 @@ class RoutingCore:
         self.loads = loads if loads is not None else LoadBook(clock=clock)
         self.disaggregation = disaggregation
         self.open_dispatches = 0
+        # `on_predict(worker, block_keys, ttl_s)` after each routing-time prediction written
+        # into the index, with the blocks it added or refreshed (replica sync,
+        # `beamserve.router.sync`, shares them with the peers).
+        self.on_predict: Callable[[str, tuple[int, ...], float], None] | None = None
 
     def geometry_of(self, endpoint: Endpoint) -> KVGeometry:
         """The worker's KV geometry: its own report, else the router's default."""
@@ -193,6 +198,11 @@ class RoutingCore:
         self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None
     ) -> RouteDecision:
         """Raises `beamserve.router.policy.NoCandidates` when no decode worker fits."""
+        peers = self.loads.peers
+        if peers is not None and not request.router_peers:
+            n = len(peers.fresh(self.clock()))
+            if n:
+                request = replace(request, router_peers=n)
         views = self.views(request, endpoints, warm)
         decision = self.policy.route(request, [v for v in views if v.endpoint.can_decode])
         if self.disaggregation is not None:
@@ -319,11 +329,18 @@ class RoutingCore:
         now = self.clock()
         ttl = self.config.predict_ttl_s
         decode, prefill = decision.decode, decision.prefill
-        # Each worker's predictions in its own geometry's hashes (as its events will be).
+        # Each worker's predictions in its own geometry's hashes (as its events will be); none
+        # for a worker that keeps no prefix (its next turn would find nothing there).
         for ep in (decode,) if prefill is None else (decode, prefill):
+            if ep.prefix_caching is False:
+                continue
             hashes = self.block_hashes_for(request, self.geometry_of(ep))
             if hashes:
-                self.index.predict(ep.id, hashes, ttl, now)
+                added = self.index.predict(ep.id, hashes, ttl, now)
+                # only what the own index lacked: blocks its KV events already confirm are in
+                # every replica's index (each subscribes to the same events)
+                if added and self.on_predict is not None:
+                    self.on_predict(ep.id, added, ttl)
         return self.loads.start(
             decision.decode.id,
             self.uncached_tokens(

@@ -41,33 +41,40 @@ name (`targetRef`), else `host:port`; `@<service>` is appended if the same pod b
 (and `/<host:port>` if one pod name shows two addresses).
 `discovery.k8s.io/v1` is used when the server has it, `v1beta1` otherwise (Kubernetes 1.17–1.20).
 Needs RBAC `list` and `watch` on `services` and `endpointslices` in the namespace.
+
+The API is reached through the `kubernetes` package (the operator's client too): its kubeconfig
+and in-cluster loaders (`KubeAccess`), its typed list calls and its `Watch`. That client
+blocks, so each collection is listed and watched in a daemon thread of its own (list with
+paging, watch from the list's resourceVersion, re-watch at each server-side timeout, list
+again on 410 Gone, backoff with jitter on errors); the event loop only maps and publishes the
+views the threads hand it.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import atexit
-import base64
 import contextlib
+import functools
 import json
 import os
 import random
-import ssl
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
-import httpx
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .types import Endpoint, EngineKind, Role
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 LABEL_DEPLOYMENT = "beamserve.io/deployment"
 LABEL_ROLE = "beamserve.io/role"
@@ -564,160 +571,125 @@ def _endpoint(
     )
 
 
-# -- Kubernetes: API access ---------------------------------------------------------------------
+# -- Kubernetes: API access (the `kubernetes` package) -----------------------------------------
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-class _TokenFileAuth(httpx.Auth):
-    """Bearer token re-read from its file per request (projected tokens rotate)."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-
-    def auth_flow(self, request: httpx.Request) -> Any:
-        request.headers["Authorization"] = f"Bearer {self._path.read_text().strip()}"
-        yield request
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class KubeAccess:
-    """How to reach the API server: base URL, credentials, TLS trust.
+    """How to reach the API server: a `kubernetes.client.Configuration` (server, credentials,
+    TLS trust; the `kubernetes` package loads and refreshes them) and the default namespace.
 
-    Build it with `in_cluster()` (service account files) or `from_kubeconfig(path)` (token,
-    token file or client certificate users; `insecure-skip-tls-verify` or a CA).
+    Build it with `in_cluster()` (the service account's files; the token is re-read as it
+    rotates), `from_kubeconfig(path, context)` (anything the `kubernetes` package's kubeconfig
+    loader takes: tokens, token files, client certificates, exec plugins; a CA or
+    `insecure-skip-tls-verify`), or `for_server(url, token=…)`.
     """
 
-    server: str
-    token: str | None = None
-    token_file: Path | None = None
-    ca_file: Path | None = None
-    insecure: bool = False
-    client_cert: tuple[Path, Path] | None = None
+    configuration: Any  # kubernetes.client.Configuration
     namespace: str = "default"
+
+    @property
+    def server(self) -> str:
+        return str(self.configuration.host).rstrip("/")
+
+    @property
+    def insecure(self) -> bool:
+        return not self.configuration.verify_ssl
+
+    @classmethod
+    def for_server(
+        cls,
+        server: str,
+        *,
+        token: str | None = None,
+        namespace: str = "default",
+        ca_file: str | os.PathLike[str] | None = None,
+        insecure: bool = False,
+    ) -> KubeAccess:
+        from kubernetes import client
+
+        cfg = client.Configuration(host=server.rstrip("/"))
+        if token:
+            cfg.api_key = {"BearerToken": f"Bearer {token}"}
+        cfg.verify_ssl = not insecure
+        cfg.ssl_ca_cert = str(ca_file) if ca_file is not None else None
+        return cls(cfg, namespace)
 
     @classmethod
     def in_cluster(
         cls, root: Path = SERVICE_ACCOUNT_DIR, env: Mapping[str, str] | None = None
     ) -> KubeAccess:
+        from kubernetes import client
+        from kubernetes.config.config_exception import ConfigException
+        from kubernetes.config.incluster_config import InClusterConfigLoader
+
         env = os.environ if env is None else env
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host or not (root / "token").exists():
+        if not env.get("KUBERNETES_SERVICE_HOST") or not (root / "token").exists():
             raise DiscoveryConfigError(
                 "not running in a cluster (KUBERNETES_SERVICE_HOST or the service account token "
                 f"in {root} is missing); pass a kubeconfig path instead"
             )
-        namespace_file = root / "namespace"
-        host = f"[{host}]" if ":" in host else host
-        return cls(
-            server=f"https://{host}:{port}",
-            token_file=root / "token",
-            ca_file=root / "ca.crt" if (root / "ca.crt").exists() else None,
-            namespace=namespace_file.read_text().strip() if namespace_file.exists() else "default",
+        cfg = client.Configuration()
+        loader = InClusterConfigLoader(  # type: ignore[no-untyped-call]
+            token_filename=str(root / "token"),
+            cert_filename=str(root / "ca.crt"),
+            try_refresh_token=True,
+            environ=dict(env),
         )
+        try:
+            loader.load_and_set(cfg)  # type: ignore[no-untyped-call]
+        except ConfigException as e:
+            raise DiscoveryConfigError(
+                f"in-cluster configuration from {root}: {e}; mount the service account token "
+                "(automountServiceAccountToken) or pass a kubeconfig path"
+            ) from None
+        namespace_file = root / "namespace"
+        namespace = namespace_file.read_text().strip() if namespace_file.exists() else "default"
+        return cls(cfg, namespace)
 
     @classmethod
     def from_kubeconfig(
         cls, path: str | os.PathLike[str], context: str | None = None
     ) -> KubeAccess:
+        from kubernetes import client, config
+        from kubernetes.config.config_exception import ConfigException
+
         path = Path(path)
-        text = path.read_text()
-        try:
-            import yaml
-
-            config = yaml.safe_load(text)
-        except ImportError:  # kubeconfigs may be JSON, which is YAML too
-            config = json.loads(text)
-        if not isinstance(config, dict):
-            raise DiscoveryConfigError(f"{path}: not a kubeconfig (expected a mapping)")
-
-        def named(section: str, name: str) -> dict[str, Any]:
-            for item in config.get(section) or []:
-                if item.get("name") == name:
-                    return dict(item.get(section[:-1]) or {})
-            raise DiscoveryConfigError(f"{path}: no {section[:-1]} named {name!r}")
-
-        context_name = context or config.get("current-context")
-        if not context_name:
-            raise DiscoveryConfigError(f"{path}: no current-context; pass context=")
-        ctx = named("contexts", context_name)
-        cluster = named("clusters", ctx.get("cluster", ""))
-        user = named("users", ctx["user"]) if ctx.get("user") else {}
-        if "server" not in cluster:
-            raise DiscoveryConfigError(f"{path}: cluster {ctx.get('cluster')!r} has no server")
-        if "exec" in user or "auth-provider" in user:
+        if not path.is_file():
             raise DiscoveryConfigError(
-                f"{path}: user {ctx.get('user')!r} authenticates with exec/auth-provider plugins, "
-                "which beamserve does not run; use a token, token file or client certificate"
+                f"{path}: no such kubeconfig file; pass the path of an existing one, or run the "
+                "router in the cluster without a kubeconfig (its service account)"
             )
-        base = path.parent
+        cfg = client.Configuration()
+        try:
+            contexts, current = config.list_kube_config_contexts(str(path))  # type: ignore[no-untyped-call]
+            name = context or (current or {}).get("name")
+            if not name:
+                raise DiscoveryConfigError(f"{path}: no current-context; pass a context name")
+            chosen = next((c for c in contexts or [] if c.get("name") == name), None)
+            if chosen is None:
+                known = ", ".join(sorted(str(c.get("name")) for c in contexts or []))
+                raise DiscoveryConfigError(f"{path}: no context named {name!r}; have: {known}")
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=str(path), context=name, client_configuration=cfg, persist_config=False
+            )
+        except ConfigException as e:
+            raise DiscoveryConfigError(f"{path}: {e}") from None
+        except OSError as e:
+            raise DiscoveryConfigError(f"{path}: cannot read the kubeconfig ({e})") from None
+        namespace = (chosen.get("context") or {}).get("namespace") or "default"
+        return cls(cfg, str(namespace))
 
-        def file_or_data(section: Mapping[str, Any], key: str) -> Path | None:
-            if f"{key}-data" in section:
-                return _data_file(section[f"{key}-data"])
-            return base / section[key] if key in section else None
+    def api_client(self) -> Any:
+        """A new `kubernetes.client.ApiClient` for this server (close it when done)."""
+        from kubernetes import client
 
-        cert = file_or_data(user, "client-certificate")
-        key = file_or_data(user, "client-key")
-        token_file = user.get("tokenFile")
-        return cls(
-            server=str(cluster["server"]).rstrip("/"),
-            token=user.get("token"),
-            token_file=base / token_file if token_file else None,
-            ca_file=file_or_data(cluster, "certificate-authority"),
-            insecure=bool(cluster.get("insecure-skip-tls-verify", False)),
-            client_cert=(cert, key) if cert and key else None,
-            namespace=ctx.get("namespace") or "default",
-        )
-
-    def client(self, *, read_timeout_s: float = 330.0) -> httpx.AsyncClient:
-        verify: ssl.SSLContext | bool
-        if self.insecure:
-            verify = False
-        else:
-            verify = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-        if self.client_cert is not None and isinstance(verify, ssl.SSLContext):
-            verify.load_cert_chain(str(self.client_cert[0]), str(self.client_cert[1]))
-        elif self.client_cert is not None:
-            verify = ssl.create_default_context()
-            verify.check_hostname = False
-            verify.verify_mode = ssl.CERT_NONE
-            verify.load_cert_chain(str(self.client_cert[0]), str(self.client_cert[1]))
-        auth: httpx.Auth | None = None
-        headers = {"Accept": "application/json", "User-Agent": "beamserve-router"}
-        if self.token_file is not None:
-            auth = _TokenFileAuth(self.token_file)
-        elif self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        return httpx.AsyncClient(
-            base_url=self.server,
-            verify=verify,
-            auth=auth,
-            headers=headers,
-            timeout=httpx.Timeout(10.0, read=read_timeout_s),
-        )
-
-
-def _data_file(b64: str) -> Path:
-    """Base64 kubeconfig data as a private temporary file (ssl wants paths); removed when the
-    interpreter exits (the client may reload it for every connection until then)."""
-    fd, name = tempfile.mkstemp(prefix="beamserve-kube-")
-    atexit.register(_remove_quietly, name)
-    with os.fdopen(fd, "wb") as f:
-        f.write(base64.b64decode(b64))
-    return Path(name)
-
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+        return client.ApiClient(self.configuration)
 
 
 # -- Kubernetes: list + watch -------------------------------------------------------------------
-
-
-class _Gone(Exception):
-    """The resourceVersion is too old (HTTP 410): list again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -730,94 +702,154 @@ class WatchSettings:
     | `backoff_initial_s` | 0.2 | first wait after a failed request |
     | `backoff_max_s` | 10 | longest wait (doubling, ±20 % jitter) |
     | `page_size` | 500 | items per list page |
+    | `request_timeout_s` | 10 | connect timeout, and read timeout of a list or a discovery call |
     """
 
     watch_timeout_s: int = 300
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     page_size: int = 500
+    request_timeout_s: float = 10.0
 
 
-class _Resource:
-    """One listed-and-watched collection: its objects by (namespace, name)."""
+_Objects = dict[tuple[str, str], dict[str, Any]]
+
+
+class _Collection:
+    """One listed-and-watched collection, kept by a daemon thread through the `kubernetes`
+    client (blocking; the router's event loop never waits on it): a paged list, then watches
+    from the list's resourceVersion (each ends at the server-side timeout and is renewed from
+    the last resourceVersion seen, bookmarks included); 410 Gone — as an HTTP status or a
+    watch ERROR event — lists again; any other failure (transport, 401/403, 5xx) waits with
+    backoff and retries. Every view after the first complete list is handed to `post` as a
+    new dict (the thread never shares one it still changes)."""
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
-        path: str,
+        name: str,
+        list_call: Callable[..., Any],
         selector: str,
         settings: WatchSettings,
-        on_change: Callable[[], None],
+        post: Callable[[_Objects], None],
     ) -> None:
-        self.client, self.path, self.selector = client, path, selector
-        self.settings, self.on_change = settings, on_change
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.synced = False
+        self.name, self.list_call, self.selector = name, list_call, selector
+        self.settings, self.post = settings, post
+        self.objects: _Objects = {}
+        self._stopping = threading.Event()
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"kube-{name}", daemon=True)
 
-    async def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to end, and cut an open watch short (it does not wait: see
+        `stopped`). Repeat it while the thread lives: a watch request that was being opened
+        has its socket only afterwards."""
+        self._stopping.set()
+        w = self._watch
+        if w is not None:
+            w.stop()  # also shuts the open watch's socket down, waking the blocked read
+
+    async def stopped(self, timeout_s: float = 2.0) -> None:
+        """`stop()` until the thread has ended (at most `timeout_s`; it is a daemon thread, so
+        one stuck past that never holds up the interpreter's exit)."""
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self.stop()
+            await asyncio.sleep(0.02)
+
+    def _run(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
         rv: str | None = None
         delay = self.settings.backoff_initial_s
-        while True:
+        while not self._stopping.is_set():
             try:
                 if rv is None:
-                    rv = await self._list()
+                    rv = self._list()
                     delay = self.settings.backoff_initial_s
-                rv = await self._watch(rv)
+                rv = self._watch_once(rv)
                 delay = self.settings.backoff_initial_s
-            except _Gone:
-                log.info("watch expired; listing again", path=self.path)
-                rv = None
-            except (httpx.HTTPError, ValueError) as e:
-                log.warning("kubernetes request failed; retrying", path=self.path, error=str(e))
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, self.settings.backoff_max_s)
+            except ApiException as e:
+                if self._stopping.is_set():
+                    return
+                if e.status == 410:
+                    log.info("watch expired; listing again", resource=self.name)
+                    rv = None
+                    continue
+                if e.status in (401, 403):
+                    log.error(
+                        "kubernetes API refused; grant list and watch on services and "
+                        "endpointslices in the namespace",
+                        resource=self.name,
+                        status=e.status,
+                    )
+                else:
+                    log.warning(
+                        "kubernetes request failed; retrying",
+                        resource=self.name,
+                        status=e.status,
+                        reason=e.reason,
+                    )
+                delay = self._backoff(delay)
+            except Exception as e:  # transport errors (urllib3), malformed answers
+                if self._stopping.is_set():
+                    return
+                log.warning("kubernetes request failed; retrying", resource=self.name, error=str(e))
+                delay = self._backoff(delay)
 
-    async def _list(self) -> str:
-        objects: dict[tuple[str, str], dict[str, Any]] = {}
-        params: dict[str, Any] = {"labelSelector": self.selector, "limit": self.settings.page_size}
+    def _backoff(self, delay: float) -> float:
+        self._stopping.wait(delay * random.uniform(0.8, 1.2))
+        return min(delay * 2, self.settings.backoff_max_s)
+
+    def _list(self) -> str:
+        objects: _Objects = {}
+        kw: dict[str, Any] = {"label_selector": self.selector, "limit": self.settings.page_size}
+        timeout = self.settings.request_timeout_s
         while True:
-            resp = await self.client.get(self.path, params=params)
-            _raise_for_status(resp, self.path)
-            body = resp.json()
+            resp = self.list_call(**kw, _preload_content=False, _request_timeout=(timeout, 60))
+            body = json.loads(resp.data)
             for item in body.get("items") or []:
                 objects[_key(item)] = item
-            cont = (body.get("metadata") or {}).get("continue")
-            if not cont:
+            meta = body.get("metadata") or {}
+            if not meta.get("continue"):
                 break
-            params["continue"] = cont
+            kw["_continue"] = meta["continue"]
         self.objects = objects
-        self.synced = True
-        self.on_change()
-        return str((body.get("metadata") or {}).get("resourceVersion", ""))
+        self.post(dict(objects))
+        return str(meta.get("resourceVersion", ""))
 
-    async def _watch(self, rv: str) -> str:
-        params = {
-            "watch": "true",
-            "labelSelector": self.selector,
-            "resourceVersion": rv,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(self.settings.watch_timeout_s),
-        }
-        async with self.client.stream("GET", self.path, params=params) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-            _raise_for_status(resp, self.path)
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
+    def _watch_once(self, rv: str) -> str:
+        from kubernetes import watch
+
+        # objects as the API's JSON (what `endpoints_from` maps), not the client's models
+        self._watch = w = watch.Watch(return_type="object")  # type: ignore[no-untyped-call]
+        timeout = self.settings.watch_timeout_s
+        if self._stopping.is_set():
+            return rv
+        try:
+            for event in w.stream(  # type: ignore[no-untyped-call]
+                self.list_call,
+                label_selector=self.selector,
+                resource_version=rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout,
+                _request_timeout=(self.settings.request_timeout_s, timeout + 30),
+            ):
                 kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Gone()
-                    raise ValueError(f"watch error: {obj.get('message', obj)}")
-                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
                 if kind in ("ADDED", "MODIFIED"):
                     self.objects[_key(obj)] = obj
-                    self.on_change()
                 elif kind == "DELETED":
                     self.objects.pop(_key(obj), None)
-                    self.on_change()
+                else:
+                    continue  # BOOKMARK: a newer resourceVersion, nothing changed
+                self.post(dict(self.objects))
+                if self._stopping.is_set():
+                    break
+        finally:
+            self._watch = None
         return rv
 
 
@@ -826,16 +858,30 @@ def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
     return (str(meta.get("namespace", "")), str(meta.get("name", "")))
 
 
-def _raise_for_status(resp: httpx.Response, path: str) -> None:
-    if resp.status_code == 410:
-        raise _Gone()
-    if resp.status_code in (401, 403):
-        log.error(
-            "kubernetes API refused; grant list and watch on services and endpointslices",
-            path=path,
-            status=resp.status_code,
-        )
-    resp.raise_for_status()
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a daemon thread (a call blocked on an unanswering server never holds up the
+    interpreter's exit, as the default executor's threads would)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def deliver(ok: bool, value: Any) -> None:
+        if done.done():
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+    def call() -> None:
+        try:
+            result: tuple[bool, Any] = (True, fn())
+        except BaseException as e:
+            result = (False, e)
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(deliver, *result)
+
+    threading.Thread(target=call, name="kube-call", daemon=True).start()
+    return await done
 
 
 class KubernetesDiscovery(Discovery):
@@ -847,6 +893,9 @@ class KubernetesDiscovery(Discovery):
     | `access` | — | `KubeAccess` (in-cluster or kubeconfig) |
     | `namespace` | `access.namespace` | where the Services live |
     | `settings` | `WatchSettings()` | timeouts and backoff |
+
+    The `kubernetes` client is blocking: each collection's list/watch loop runs in a thread of
+    its own and hands complete views to the event loop, which maps and publishes them.
     """
 
     def __init__(
@@ -865,56 +914,95 @@ class KubernetesDiscovery(Discovery):
         self.slice_version: str | None = None
 
     async def _run(self) -> None:
-        read_timeout = self.settings.watch_timeout_s + 30.0
-        async with self.access.client(read_timeout_s=read_timeout) as client:
-            self.slice_version = await self._slice_version(client)
-            changed = asyncio.Event()
-            ns = self.namespace
-            services = _Resource(
-                client,
-                f"/api/v1/namespaces/{ns}/services",
-                f"{LABEL_DEPLOYMENT}={self.deployment}",
-                self.settings,
-                changed.set,
-            )
-            slices = _Resource(
-                client,
-                f"/apis/discovery.k8s.io/{self.slice_version}/namespaces/{ns}/endpointslices",
-                LABEL_SERVICE_NAME,
-                self.settings,
-                changed.set,
-            )
-            async with asyncio.TaskGroup() as group:
-                group.create_task(services.run())
-                group.create_task(slices.run())
-                while True:
-                    await changed.wait()
-                    changed.clear()
-                    if services.synced and slices.synced:
-                        self._publish(
-                            endpoints_from(services.objects.values(), slices.objects.values())
-                        )
+        from kubernetes import client
 
-    async def _slice_version(self, client: httpx.AsyncClient) -> str:
-        """`v1` when the server serves discovery.k8s.io/v1, else `v1beta1` (from /apis).
+        def build() -> tuple[Any, Any, Any, Any]:
+            # the client's API modules are imported on first use, and CoreV1Api's takes
+            # seconds: never on the event loop
+            api = self.access.api_client()
+            return api, client.CoreV1Api(api), client.CustomObjectsApi(api), client.ApisApi(api)
+
+        api, core, custom, apis = await _in_thread(build)
+        collections: list[_Collection] = []
+        try:
+            self.slice_version = await self._slice_version(api, apis)
+            loop = asyncio.get_running_loop()
+            views: dict[str, _Objects] = {}
+            changed = asyncio.Event()
+
+            def receive(kind: str, objects: _Objects) -> None:
+                views[kind] = objects
+                changed.set()
+
+            def poster(kind: str) -> Callable[[_Objects], None]:
+                def post(objects: _Objects) -> None:
+                    with contextlib.suppress(RuntimeError):  # the loop has closed
+                        loop.call_soon_threadsafe(receive, kind, objects)
+
+                return post
+
+            ns = self.namespace
+            collections = [
+                _Collection(
+                    "services",
+                    functools.partial(core.list_namespaced_service, ns),
+                    f"{LABEL_DEPLOYMENT}={self.deployment}",
+                    self.settings,
+                    poster("services"),
+                ),
+                _Collection(
+                    "endpointslices",
+                    functools.partial(
+                        custom.list_namespaced_custom_object,
+                        "discovery.k8s.io",
+                        self.slice_version,
+                        ns,
+                        "endpointslices",
+                    ),
+                    LABEL_SERVICE_NAME,
+                    self.settings,
+                    poster("endpointslices"),
+                ),
+            ]
+            for c in collections:
+                c.start()
+            while True:
+                await changed.wait()
+                changed.clear()
+                if len(views) == len(collections):
+                    self._publish(
+                        endpoints_from(views["services"].values(), views["endpointslices"].values())
+                    )
+        finally:
+            for c in collections:
+                c.stop()
+            for c in collections:
+                await c.stopped()
+            api.close()
+
+    async def _slice_version(self, api: Any, apis: Any) -> str:
+        """`v1` when the server serves discovery.k8s.io/v1, else `v1beta1` (from `/apis`).
 
         A starting API server answers `/apis` before it has registered all its groups (for
         ≈ 0.1 s on 1.20), so a missing group is final only when a listing made *after* `/readyz`
         said the server is ready (or has no readiness endpoint to ask: 401/403/404) still lacks
         it — a server that turns ready between a listing and the readiness check is listed
         again, not refused; until then, retry."""
+        timeout = self.settings.request_timeout_s
         delay = self.settings.backoff_initial_s
         ready_before = False  # /readyz said ready before the listing below was made
         while True:
             served: set[str] = set()
             try:
-                resp = await client.get("/apis")
-                _raise_for_status(resp, "/apis")
-                for group in resp.json().get("groups") or []:
+                # the raw answer (`_preload_content=False`), not the typed model
+                resp: Any = await _in_thread(
+                    lambda: apis.get_api_versions(_preload_content=False, _request_timeout=timeout)
+                )
+                for group in json.loads(resp.data).get("groups") or []:
                     if group.get("name") == "discovery.k8s.io":
                         served |= {str(v.get("version")) for v in group.get("versions") or []}
                 listed = True
-            except (httpx.HTTPError, ValueError, _Gone) as e:
+            except Exception as e:  # ApiException, transport errors, malformed answers
                 log.warning("kubernetes /apis failed; retrying", error=str(e))
                 listed = False
             for version in ("v1", "v1beta1"):
@@ -926,7 +1014,7 @@ class KubernetesDiscovery(Discovery):
                         "the API server serves neither discovery.k8s.io/v1 nor v1beta1 "
                         "EndpointSlices; Kubernetes 1.17 or newer is needed"
                     )
-                ready_before = await _server_ready(client)
+                ready_before = await _in_thread(lambda: _server_ready(api, timeout))
                 if ready_before:
                     continue  # list again, now that the answer is final
                 log.info("API server not ready; EndpointSlice group not listed yet; retrying")
@@ -934,12 +1022,13 @@ class KubernetesDiscovery(Discovery):
             delay = min(delay * 2, self.settings.backoff_max_s)
 
 
-async def _server_ready(client: httpx.AsyncClient) -> bool:
+def _server_ready(api: Any, timeout: float) -> bool:
     """Whether the API server's answers are final: `/readyz` is 200, or the server offers no
     readiness we may read (401/403/404: older servers, locked-down RBAC). 5xx and transport
     errors mean it is still starting (or stopping)."""
     try:
-        resp = await client.get("/readyz")
-    except httpx.HTTPError:
+        request = api.param_serialize("GET", "/readyz", auth_settings=["BearerToken"])
+        resp = api.call_api(*request, _request_timeout=timeout)
+    except Exception:
         return False
-    return resp.status_code in (200, 401, 403, 404)
+    return int(resp.status) in (200, 401, 403, 404)

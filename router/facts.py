@@ -27,6 +27,7 @@ router's length check, the router asks it (`probe_facts`):
 | `geometry.block_size` | `page_size` | `/v1/models` `block_size` |
 | `geometry.sliding_window` | `sliding_window` (either answer) | `/v1/models` `sliding_window` |
 | `geometry.hash_scheme` / `event_format` | reported, else ``sglang`` | reported, else the default |
+| `prefix_caching` | `prefix_caching`, else not `disable_radix_cache` | `prefix_caching` |
 
 The geometry (`beamserve.kvwire.geometry.KVGeometry`) is the router's default (its
 `--block-size`, `--sliding-window`, `--hash-scheme`) with what the worker reported laid over it;
@@ -71,6 +72,7 @@ class WorkerFacts:
     sliding_window: int | None = None
     hash_scheme: str | None = None
     event_format: str | None = None
+    prefix_caching: bool | None = None  # None: not reported (assumed to cache)
 
     def geometry(self, default: KVGeometry = DEFAULT_GEOMETRY) -> KVGeometry | None:
         """`default` with what the worker reported laid over it (the SGLang surface hashes and
@@ -136,6 +138,7 @@ def facts_from(
     scheme = _scheme(reported("kv_hash_scheme"))
     events = _scheme(reported("kv_event_format"))
     block_size = _positive_int(first.get("block_size"))
+    caching = _prefix_caching(reported("prefix_caching"), info.get("disable_radix_cache"))
     if isinstance(server_info, Mapping) and "disaggregation_mode" in server_info:
         mode = str(server_info.get("disaggregation_mode") or "null")
         context = _positive_int(server_info.get("context_length"))
@@ -149,6 +152,7 @@ def facts_from(
             sliding_window=window,
             hash_scheme=scheme,
             event_format=events,
+            prefix_caching=caching,
         )
     return WorkerFacts(
         api="vllm",
@@ -158,7 +162,18 @@ def facts_from(
         sliding_window=window,
         hash_scheme=scheme,
         event_format=events,
+        prefix_caching=caching,
     )
+
+
+def _prefix_caching(reported: Any, disable_radix_cache: Any) -> bool | None:
+    """beamserve's workers say `prefix_caching`; SGLang's `/server_info` says
+    `disable_radix_cache` (its `--disable-radix-cache`, usual on decode servers)."""
+    if isinstance(reported, bool):
+        return reported
+    if isinstance(disable_radix_cache, bool):
+        return not disable_radix_cache
+    return None
 
 
 def apply_facts(
@@ -195,6 +210,7 @@ def apply_facts(
         bootstrap_port=facts.bootstrap_port,
         max_model_len=facts.max_model_len,
         geometry=facts.geometry(default),
+        prefix_caching=facts.prefix_caching,
     )
 
 
@@ -333,4 +349,5 @@ def _fields(f: WorkerFacts) -> dict[str, Any]:
         "sliding_window": f.sliding_window,
         "hash_scheme": f.hash_scheme,
         "event_format": f.event_format,
+        "prefix_caching": f.prefix_caching,
     }

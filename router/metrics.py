@@ -7,6 +7,11 @@ resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_to
 `retries_total{reason}`, `disaggregated_total`. Gauges: `queue_depth{band}`, `in_flight`,
 `worker_in_flight{worker}`, `worker_prefill_tokens{worker}`, `worker_decode_tokens{worker}`,
 `worker_breaker_open{worker}`, `session_store_degraded`, `kv_event_*` (subscriber totals).
+With replica sync on: gauges `replica_sync_connected`, `replica_sync_peers` (fresh peers),
+`worker_peer_in_flight{worker}` and `worker_peer_prefill_tokens{worker}` (what the fresh peers
+book there); counters `replica_sync_messages_total{direction}` (published | received),
+`replica_sync_bytes_total{direction}`, `replica_sync_dropped_total` (not sent: Redis down or
+the outbox full), `replica_sync_errors_total`, `replica_sync_decode_errors_total`.
 Histogram: `decision_seconds` (routing step: tokenize + hash + match + policy).
 """
 
@@ -61,6 +66,43 @@ class _Live(Collector):
             yield CounterMetricFamily(
                 f"beamserve_router_kv_event_{name}", f"KV-event subscribers: {name}.", value=value
             )
+        sync = s.get("replica_sync")
+        if sync is not None:
+            yield from _sync_families(sync)
+
+
+def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
+    """Replica sync's families from `RouterRuntime.sync_report`."""
+    p = "beamserve_router_replica_sync"
+    yield GaugeMetricFamily(
+        f"{p}_connected",
+        "1 while replica sync is subscribed and publishing to Redis.",
+        value=float(sync["connected"]),
+    )
+    yield GaugeMetricFamily(
+        f"{p}_peers", "Router replicas heard from recently enough to count.", value=sync["peers"]
+    )
+    for kind in ("messages", "bytes"):
+        fam = CounterMetricFamily(
+            f"{p}_{kind}", f"Replica-sync {kind}, by direction.", labels=["direction"]
+        )
+        for direction in ("published", "received"):
+            fam.add_metric([direction], sync[f"{kind}_{direction}"])
+        yield fam
+    for name, doc in (
+        ("dropped", "Sync messages not sent (Redis down or the outbox full)."),
+        ("errors", "Redis errors seen by replica sync."),
+        ("decode_errors", "Sync messages that could not be decoded (dropped)."),
+    ):
+        yield CounterMetricFamily(f"{p}_{name}", doc, value=sync[name])
+    for name, doc in (
+        ("in_flight", "Requests in flight per worker booked by the fresh peer replicas."),
+        ("prefill_tokens", "Uncached prompt tokens in prefill booked by the fresh peers."),
+    ):
+        gauge = GaugeMetricFamily(f"beamserve_router_worker_peer_{name}", doc, labels=["worker"])
+        for worker, v in sync[f"peer_{name}"].items():
+            gauge.add_metric([worker], v)
+        yield gauge
 
 
 class RouterMetrics:

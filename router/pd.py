@@ -153,9 +153,13 @@ class UpstreamChunks:
         scanner.strip_usage = strip_usage
         if out := scanner.feed(self.head):
             yield out
+        read = self._resp.content.readany  # what `iter_any` awaits, without its two frames
         while not scanner.done:
-            data = await self._next()
-            if data is None:
+            try:
+                data = await read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise UpstreamError(self.worker, "connect", f"stream broke: {exc!r}") from exc
+            if not data:  # end of body
                 if out := scanner.flush():
                     yield out
                 break

@@ -35,6 +35,7 @@ Continuing turns are incremental, with results identical to the from-scratch com
 
 from __future__ import annotations
 
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -44,7 +45,7 @@ from typing import Any
 
 from beamserve.kvwire.codec import ApproxCodec, Codec, PromptCodec
 from beamserve.kvwire.geometry import HashScheme, KVGeometry
-from beamserve.kvwire.hashing import hash_blocks_sglang, hash_blocks_vllm, none_hash
+from beamserve.kvwire.hashing import chain_sglang_u32, chain_vllm, hash_blocks_sglang, none_hash
 from beamserve.router.api.convert import UpstreamCall
 
 __all__ = ["HashScheme", "PromptHasher", "PromptKey", "PromptTooLong"]
@@ -54,6 +55,26 @@ DEFAULT_SEGMENT_CACHE_BYTES = 128 << 20
 DEFAULT_CHUNK_CHARS = 4096
 DEFAULT_BLOCK_CACHE_BLOCKS = 1 << 17  # 8.4M tokens of 64-token blocks, ≈ 70 MB
 _U32 = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type
+_LITTLE = sys.byteorder == "little"  # native uint32 bytes are SGLang's page bytes
+
+# A segment's tokens: their ids as native uint32 bytes when every id fits (4 bytes a token,
+# decoded only when the ids themselves are read), else the ids.
+_Part = tuple[int, ...] | bytes
+
+
+def _part_len(part: _Part) -> int:
+    return len(part) // 4 if isinstance(part, bytes) else len(part)
+
+
+def _part_ids(part: _Part) -> Sequence[int]:
+    return array(_U32, part).tolist() if isinstance(part, bytes) else part
+
+
+def _joined_ids(parts: Sequence[_Part]) -> list[int]:
+    out: list[int] = []
+    for part in parts:
+        out += _part_ids(part)
+    return out
 
 
 class PromptKey:
@@ -80,7 +101,7 @@ class PromptKey:
         self, token_ids: Sequence[int], block_hashes: tuple[int, ...], precise: bool
     ) -> None:
         self._ids: tuple[int, ...] | None = tuple(token_ids)
-        self._parts: Sequence[tuple[int, ...]] = ()
+        self._parts: Sequence[_Part] = ()
         self._buf: bytes | None = None
         self._hasher: PromptHasher | None = None
         self._by_layout: dict[tuple[int, str], tuple[int, ...]] | None = None
@@ -90,12 +111,14 @@ class PromptKey:
 
     @classmethod
     def of_parts(
-        cls, parts: Sequence[tuple[int, ...]], block_hashes: tuple[int, ...], precise: bool
+        cls, parts: Sequence[_Part], block_hashes: tuple[int, ...], precise: bool
     ) -> PromptKey:
-        """The key whose token ids are the concatenation of `parts` (assembled lazily)."""
+        """The key whose token ids are the concatenation of `parts` (ids, or ids as native
+        uint32 bytes; assembled lazily)."""
         key = cls((), block_hashes, precise)
-        key._ids, key._parts = (parts[0] if len(parts) == 1 else None), parts
-        key.prompt_tokens = sum(map(len, parts))
+        one = parts[0] if len(parts) == 1 else None
+        key._ids, key._parts = (one if isinstance(one, tuple) else None), parts
+        key.prompt_tokens = sum(map(_part_len, parts))
         return key
 
     def hashes_for(self, geometry: KVGeometry) -> tuple[int, ...]:
@@ -120,10 +143,7 @@ class PromptKey:
     def token_ids(self) -> tuple[int, ...]:
         ids = self._ids
         if ids is None:
-            out: list[int] = []
-            for part in self._parts:
-                out += part
-            ids = self._ids = tuple(out)
+            ids = self._ids = tuple(_joined_ids(self._parts))
         return ids
 
     def __eq__(self, other: object) -> bool:
@@ -217,30 +237,28 @@ def split_tokens(codec: Codec) -> tuple[str, ...]:
     return tuple(s for s in candidates if not any(_straddles(t, s) for t in contents))
 
 
-_Seg = tuple[tuple[int, ...], bytes | None]  # token ids, and as little-endian uint32 (or None)
-
-
 class SegmentCache:
-    """Bounded LRU: rendered segment → its token ids (and their uint32 bytes).
+    """Bounded LRU: rendered segment → its tokens (`_Part`: native uint32 bytes, or the ids
+    when one does not fit).
 
-    Size: each entry counts `len(segment) + 12 · tokens` bytes (the string, a tuple slot and
-    the uint32 copy; ids are shared small ints, see `PromptHasher`); the least recently used
-    entries go once the total passes `max_bytes`. Thread-safe."""
+    Size: each entry counts `len(segment) + 4 · tokens` bytes (the string and the uint32
+    bytes; `12 · tokens` for an ids tuple) plus 100; the least recently used entries go once
+    the total passes `max_bytes`. Thread-safe."""
 
     def __init__(self, max_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._d: OrderedDict[str, _Seg] = OrderedDict()
+        self._d: OrderedDict[str, _Part] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._d)
 
     @staticmethod
-    def _cost(seg: str, ids: Sequence[int]) -> int:
-        return len(seg) + 12 * len(ids) + 100
+    def _cost(seg: str, part: _Part) -> int:
+        return len(seg) + (len(part) if isinstance(part, bytes) else 12 * len(part)) + 100
 
-    def get_many(self, segs: Sequence[str]) -> list[_Seg | None]:
+    def get_many(self, segs: Sequence[str]) -> list[_Part | None]:
         d = self._d
         with self._lock:
             out = [d.get(s) for s in segs]
@@ -249,20 +267,20 @@ class SegmentCache:
                     d.move_to_end(s)
         return out
 
-    def put(self, seg: str, entry: _Seg) -> None:
-        cost = self._cost(seg, entry[0])
+    def put(self, seg: str, entry: _Part) -> None:
+        cost = self._cost(seg, entry)
         if cost > self.max_bytes:
             return
         d = self._d
         with self._lock:
             old = d.pop(seg, None)
             if old is not None:
-                self.bytes -= self._cost(seg, old[0])
+                self.bytes -= self._cost(seg, old)
             d[seg] = entry
             self.bytes += cost
             while self.bytes > self.max_bytes and d:
                 k, v = d.popitem(last=False)
-                self.bytes -= self._cost(k, v[0])
+                self.bytes -= self._cost(k, v)
 
 
 _Node = tuple[int, bytes, int]  # node serial, raw digest, event id
@@ -360,7 +378,7 @@ class BlockCache:
         return chain_
 
 
-_Tokens = tuple[list[tuple[int, ...]], bytes | None]  # id parts, their uint32 bytes (or None)
+_Tokens = tuple[list[_Part], bytes | None]  # the parts, and all their uint32 bytes (or None)
 
 
 class PromptTooLong(ValueError):
@@ -398,9 +416,6 @@ class PromptHasher:
         self.split_tokens = split_tokens(self.codec)
         # Cutting inside a segment is provably safe for ApproxCodec only (`piece_chunks`).
         self.chunk_chars = chunk_chars if type(self.codec) is ApproxCodec else 0
-        # One int object per id below the vocabulary size: cached tuples hold shared ints
-        # (8 bytes a token, not 36) and compare by identity first.
-        self._ints = tuple(range(max(0, int(self.codec.vocab_size))))
 
     # --- tokens ----------------------------------------------------------------------------
 
@@ -430,13 +445,13 @@ class PromptHasher:
             return [c for seg in segs for c in piece_chunks(seg, size)]
         return segs
 
-    def _encode_segment(self, seg: str) -> _Seg:
-        raw = self.codec.encode(seg)
-        try:
-            ids = tuple(map(self._ints.__getitem__, raw))
-        except (IndexError, TypeError):
-            ids = tuple(raw)
-        return ids, _uint32(ids)
+    def _encode_segment(self, seg: str) -> _Part:
+        codec = self.codec
+        if type(codec) is ApproxCodec and codec.vocab_size <= 1 << 32:
+            return codec.encode_u32(seg)  # the uint32 bytes without an int per token
+        raw = codec.encode(seg)
+        buf = _uint32(raw)
+        return buf if buf is not None else tuple(raw)
 
     def _encode(self, text: str) -> _Tokens:
         segs = self.split(text)
@@ -449,22 +464,20 @@ class PromptHasher:
                     hit = self._encode_segment(seg)
                     self.segments.put(seg, hit)
                 entries.append(hit)
-        bufs = [e[1] for e in entries]
-        buf = None if None in bufs else b"".join(b for b in bufs if b is not None)
-        return [e[0] for e in entries], buf
+        if all(isinstance(e, bytes) for e in entries):
+            return entries, b"".join(entries)  # type: ignore[arg-type]
+        return entries, None
 
     def encode(self, text: str) -> tuple[int, ...]:
         """`tuple(self.codec.encode(text))`, from the segment cache where it can."""
-        out: list[int] = []
-        for part in self._encode(text)[0]:
-            out += part
-        return tuple(out)
+        return tuple(_joined_ids(self._encode(text)[0]))
 
     def _call_tokens(self, call: UpstreamCall, limit: int | None = None) -> _Tokens:
         prompt = call.prompt
         if isinstance(prompt, list):
             ids = tuple(int(t) for t in prompt)
-            return [ids], _uint32(ids)
+            buf = _uint32(ids)
+            return ([buf] if buf is not None else [ids]), buf
         if isinstance(prompt, str):
             text = prompt
         else:
@@ -482,10 +495,7 @@ class PromptHasher:
         return len(text) // (2 * longest) if isinstance(longest, int) and longest > 0 else 0
 
     def token_ids(self, call: UpstreamCall) -> list[int]:
-        out: list[int] = []
-        for part in self._call_tokens(call)[0]:
-            out += part
-        return out
+        return _joined_ids(self._call_tokens(call)[0])
 
     # --- block hashes ----------------------------------------------------------------------
 
@@ -496,22 +506,29 @@ class PromptHasher:
         if scheme == "sglang":
             pages = hash_blocks_sglang(token_ids, bs, parent=parent, include_partial=False)
             return [(b.digest, b.event_id) for b in pages]
-        return [(b.digest, b.event_id) for b in hash_blocks_vllm(token_ids, bs, parent)]
+        return chain_vllm(token_ids, bs, parent)
 
-    def _hashes(self, parts: list[tuple[int, ...]], buf: bytes | None) -> tuple[int, ...]:
+    @staticmethod
+    def _scratch_u32(
+        buf: bytes, parent: bytes | None, bs: int, scheme: HashScheme
+    ) -> list[tuple[bytes, int]]:
+        """`_scratch` of the tokens in `buf` (native uint32), hashing SGLang pages from the
+        bytes themselves where they are SGLang's (little-endian)."""
+        if scheme == "sglang" and _LITTLE:
+            return chain_sglang_u32(buf, bs, parent)
+        return PromptHasher._scratch(array(_U32, buf).tolist(), parent, bs, scheme)
+
+    def _hashes(self, parts: list[_Part], buf: bytes | None) -> tuple[int, ...]:
         return self.hashes_in(parts, buf, self.block_size, self.scheme)
 
     def hashes_in(
-        self, parts: Sequence[tuple[int, ...]], buf: bytes | None, bs: int, scheme: HashScheme
+        self, parts: Sequence[_Part], buf: bytes | None, bs: int, scheme: HashScheme
     ) -> tuple[int, ...]:
         """Event ids of the full `bs`-token blocks of the concatenated `parts` (`buf`: their
         uint32 bytes, or None) in `scheme`, through the block cache (rooted per scheme and
         block size, so geometries never share entries)."""
         if buf is None or self.blocks.max_blocks <= 0:
-            ids: list[int] = []
-            for part in parts:
-                ids += part
-            return tuple(e for _, e in self._scratch(ids, None, bs, scheme))
+            return tuple(e for _, e in self._scratch(_joined_ids(parts), None, bs, scheme))
         step = 4 * bs  # bytes per block in `buf`
         n = len(buf) // step
         if n == 0:
@@ -528,7 +545,7 @@ class PromptHasher:
         if k < n or n_runs < n // self.blocks.stride:
             if nodes:
                 parent = nodes[-1][1]
-            new = self._scratch(array(_U32, buf[k * step : n * step]).tolist(), parent, bs, scheme)
+            new = self._scratch_u32(buf[k * step : n * step], parent, bs, scheme)
             nodes = self.blocks.extend(root, nodes, new, buf, step, n_runs)
         return tuple([node[2] for node in nodes])
 

@@ -6,7 +6,13 @@ Background loops (all on the serving event loop):
   entries of workers that left; their load records are forgotten;
 - every `scrape_interval_s`: each worker's `/metrics` (queue length, running, KV usage, under
   vLLM's or SGLang's names) and `/health`; failures feed the circuit breaker; the pool snapshot
-  feeds the flow controller's saturation detector.
+  feeds the flow controller's saturation detector;
+- replica sync (`beamserve.router.sync`; on when the session store is Redis, unless
+  `replica_sync` is False): this replica's bookings, routing-time predictions, queued
+  continuing turns and spare flow-control room published on
+  the Redis channel (`sync_channel`, default from the session key prefix), the other
+  replicas' merged into the load book and the prefix index; a peer's change re-observes the
+  pool's saturation (at most every `SYNC_OBSERVE_S`). Redis down: own book plus scrapes.
 
 Once started, the runtime calls ``gc.collect(); gc.freeze()`` (`RuntimeConfig.freeze_gc`):
 startup's long-lived objects leave the garbage collector's generations, so full collections
@@ -49,10 +55,13 @@ from beamserve.router.load import LOAD_METRICS, LoadBook
 from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
 from beamserve.router.prompt import PromptHasher
-from beamserve.router.sessions import make_session_store, session_tip
+from beamserve.router.sessions import RedisSessionStore, make_session_store, session_tip
+from beamserve.router.sync import RedisReplicaSync, SyncParams, sync_channel
 from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
+
+SYNC_OBSERVE_S = 0.02  # least time between two pool snapshots a peer's change triggers
 
 
 @dataclass
@@ -69,6 +78,10 @@ class RuntimeConfig:
     sliding_window: int | None = None  # None: config.json of `tokenizer`, else Beam's 512
     hash_scheme: str = DEFAULT_GEOMETRY.hash_scheme
     redis_url: str | None = None
+    # Replica sync (`beamserve.router.sync`): on when the session store is Redis.
+    replica_sync: bool = True
+    sync_channel: str | None = None  # None: from the session store's key prefix
+    sync_params: SyncParams = field(default_factory=SyncParams)
     scrape_interval_s: float = 1.0
     predict_ttl_s: float = 10.0
     prefill_timeout_s: float = 30.0
@@ -132,14 +145,62 @@ class RouterRuntime:
             hasher,
             c.settings,
             kv_event_totals=self._kv_totals,
+            replica_sync=self.sync_report,
         )
         self.app = build_router_app(self.router)
         self._tasks: list[asyncio.Task[Any]] = []
         self._froze_gc = False
+        self._worker_ids: frozenset[str] = frozenset()
+        self._observe_due = False
+        self.sync: RedisReplicaSync | None = None
+        if c.replica_sync and c.redis_url and isinstance(self.sessions, RedisSessionStore):
+            self.sync = RedisReplicaSync(
+                c.redis_url,
+                c.sync_channel or sync_channel(self.sessions.key_prefix),
+                self.loads,
+                self.index,
+                params=c.sync_params,
+                accepts=self._known_worker,
+                on_peers_changed=self._peers_changed,
+            )
+            self.core.on_predict = self.sync.predicted
+            # Flow-control room moves between replicas (`FlowController`, "Several replicas").
+            self.flow.on_spare_room = self.sync.sync.offer_room
+            self.flow.on_continuing_queued = self.sync.sync.queue_changed
+            self.flow.peers_busy = self.sync.sync.peers_busy
+            self.sync.sync.on_grant = self.flow.grant_room
+            self.sessions.on_down = self.sync.redis_lost
 
     def endpoints(self) -> list[Endpoint]:
         """The discovered workers with what each reported about itself (`router.facts`)."""
         return self.facts.endpoints(self._discovered)
+
+    def sync_report(self) -> dict[str, Any] | None:
+        """Replica sync's health and the fresh peers' bookings per worker, for `/metrics`
+        (`router.metrics`); None when sync is off."""
+        sync = self.sync
+        if sync is None:
+            return None
+        now = sync.sync.clock()
+        t, st = sync.transport, sync.sync.stats
+        in_flight: dict[str, float] = {}
+        prefill: dict[str, float] = {}
+        for e in self.endpoints():
+            b = sync.state.counts(e.id, now)
+            in_flight[e.id], prefill[e.id] = b.in_flight, b.prefill_tokens
+        return {
+            "connected": t.connected,
+            "peers": len(sync.state.fresh(now)),
+            "messages_published": st.published,
+            "messages_received": st.received,
+            "bytes_published": st.published_bytes,
+            "bytes_received": st.received_bytes,
+            "dropped": t.dropped,
+            "errors": t.errors,
+            "decode_errors": st.decode_errors,
+            "peer_in_flight": in_flight,
+            "peer_prefill_tokens": prefill,
+        }
 
     def _kv_totals(self) -> dict[str, float]:
         t = self.hub.totals()
@@ -151,6 +212,7 @@ class RouterRuntime:
 
     def _on_endpoints(self, endpoints: list[Endpoint]) -> None:
         self._discovered = list(endpoints)
+        self._worker_ids = frozenset(e.id for e in endpoints)
         self.facts.forget(endpoints)
         self.hub.sync(self.endpoints())  # event formats as the workers reported them
         self.loads.forget(e.id for e in endpoints)
@@ -166,6 +228,8 @@ class RouterRuntime:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.facts.probe(self.upstreams.http, self._discovered), 5.0)
         self._tasks.append(asyncio.create_task(self._scrape_loop(), name="router-scrape"))
+        if self.sync is not None:
+            self.sync.start()  # in the background: Redis down never delays serving
         if self.config.freeze_gc:
             # Everything built so far (modules, app, pydantic models, discovery state) lives as
             # long as the process: move it out of the collector's generations so that a full
@@ -185,11 +249,28 @@ class RouterRuntime:
         await self.discovery.stop()
         await self.hub.aclose()
         await self.upstreams.aclose()
+        if self.sync is not None:
+            await self.sync.aclose()
         if self._froze_gc:
             gc.unfreeze()  # frozen objects become collectable again (tests start many runtimes)
             self._froze_gc = False
         await self.sessions.close()
         self.flow.close()
+
+    def _known_worker(self, worker: str) -> bool:
+        """A peer's prediction applies only to a worker this replica discovered."""
+        return worker in self._worker_ids
+
+    def _peers_changed(self) -> None:
+        """A peer's books changed: a fresh pool snapshot for the saturation detector soon."""
+        if self._observe_due:
+            return
+        self._observe_due = True
+        asyncio.get_running_loop().call_later(SYNC_OBSERVE_S, self._observe_pool)
+
+    def _observe_pool(self) -> None:
+        self._observe_due = False
+        self.flow.observe_pool([self.loads.load(e.id) for e in self._discovered if e.can_decode])
 
     async def _get_text(self, url: str) -> tuple[int, str]:
         async with self.upstreams.http.get(url, timeout=SCRAPE_TIMEOUT) as r:

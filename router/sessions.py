@@ -41,10 +41,17 @@ Parameters (`RedisSessionStore`):
 |---|---|---|
 | `ttl_s` | ``3600`` | a session expires this long after its last `bind` (s) |
 | `key_prefix` | ``"beamserve:session:"`` | Redis key prefix; must end with ``":"`` |
-| `op_timeout_s` | ``0.05`` | budget of one Redis operation (s) |
+| `op_timeout_s` | ``0.25`` | budget of one Redis operation, event-loop lag included (s) |
 | `retry_after_s` | ``1.0`` | least time between reconnection attempts while degraded (s) |
 | `local_max_sessions` | ``100000`` | bound of the local write-through cache |
 | `resync_timeout_s` | ``1.0`` | budget of one background re-sync batch / `forget_worker` (s) |
+
+The operation budget is measured on the router's event loop, so it includes the loop's lag (a
+router tokenizing a burst of cold 25K-token prompts spends ≈ 35 ms of loop time on each; a busy
+host adds more). At the earlier 0.05 s a healthy Redis was declared down in the middle of a run
+(two replicas behind HAProxy on a loaded 2-core machine, `bench agentic --routers
+beamserve-x2`), and each replica then routed from its local state alone for ``retry_after_s``.
+A Redis operation itself takes well under a millisecond on a LAN.
 
 Config example (router)::
 
@@ -76,6 +83,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 Backend = Literal["memory", "redis"]
+OP_TIMEOUT_S = 0.25  # `op_timeout_s`'s default (module docstring)
 MEMORY_SCHEMES = ("memory",)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -479,7 +487,7 @@ class RedisSessionStore:
         *,
         ttl_s: float = 3600.0,
         key_prefix: str = "beamserve:session:",
-        op_timeout_s: float = 0.05,
+        op_timeout_s: float = OP_TIMEOUT_S,
         retry_after_s: float = 1.0,
         local_max_sessions: int = 100_000,
         resync_timeout_s: float = 1.0,
@@ -518,6 +526,9 @@ class RedisSessionStore:
         self._pending_forget: dict[str, float] = {}  # worker → epoch s of forget_worker
         self._recovery: asyncio.Task[None] | None = None
         self._closed = False
+        # Called once per outage (healthy → degraded): the runtime points it at replica sync,
+        # which shares this Redis and so lost its channel too (`RedisReplicaSync.redis_lost`).
+        self.on_down: Callable[[], None] | None = None
         self.redis_ops = 0
         self.redis_errors = 0
         self.fallbacks = 0
@@ -572,6 +583,8 @@ class RedisSessionStore:
                 retry_after_s=self.retry_after_s,
                 note="serving sessions from local state until Redis answers again",
             )
+            if self.on_down is not None:
+                self.on_down()
 
     # -- SessionStore ----------------------------------------------------------------------
 
@@ -793,7 +806,7 @@ def make_session_store(
     ttl_s: float = 3600.0,
     max_sessions: int = 1_000_000,
     key_prefix: str = "beamserve:session:",
-    op_timeout_s: float = 0.05,
+    op_timeout_s: float = OP_TIMEOUT_S,
     retry_after_s: float = 1.0,
 ) -> SessionStore:
     """The store for a configured URL: None, ``""`` or ``memory://`` → `MemorySessionStore`

@@ -41,7 +41,9 @@ class Endpoint:
     `max_model_len` — the longest prompt + output it accepts (`/v1/models`); `geometry` — its KV
     geometry (block size, sliding window, hash scheme, event format: `beamserve.kvwire.geometry`)
     as it reported it; None: it reported none, so the router's default geometry (its flags)
-    applies (`RoutingCore.geometry_of`).
+    applies (`RoutingCore.geometry_of`); `prefix_caching` — False when it keeps no prompt's KV
+    for later requests (SGLang's `disable_radix_cache`, a ref decode worker): the router then
+    predicts no blocks there (None: not reported, assumed to cache).
     """
 
     id: str
@@ -60,6 +62,7 @@ class Endpoint:
     bootstrap_port: int | None = None
     max_model_len: int | None = None
     geometry: KVGeometry | None = None
+    prefix_caching: bool | None = None
 
     def label(self, name: str) -> str | None:
         for k, v in self.labels:
@@ -202,6 +205,9 @@ class RouteRequest:
     hashes_for: Callable[[KVGeometry], tuple[int, ...]] | None = field(
         default=None, compare=False, repr=False
     )
+    # Other router replicas this one hears through replica sync (`RoutingCore.decide` fills
+    # it in): policies that break near-ties across replicas read it (`tie_window_s`).
+    router_peers: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,7 @@ def test_bench_kv_transfer_writes_json_and_plot(beamserve: RunBeamserve, tmp_pat
 
 @pytest.mark.integration
 def test_demo_moves_and_verifies(beamserve: RunBeamserve) -> None:
-    run = beamserve("demo", "--tokens", "3000", "--pair", "2:1")
+    run = beamserve("demo", "kv", "--tokens", "3000", "--pair", "2:1")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verified: byte for byte: yes" in run.stdout
     assert "exactly the minimum" in run.stdout

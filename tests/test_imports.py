@@ -31,6 +31,7 @@ SUBPACKAGES = (
     "beamserve.router.grpc_api",
     "beamserve.router.bench",
     "beamserve.operator",
+    "beamserve.operator.local",
 )
 
 

@@ -21,6 +21,7 @@ from beamserve.kv_transfer.errors import (
     TransferPlanError,
     TransferTimeoutError,
 )
+from beamserve.kv_transfer.memory import Buffer, MemoryKind, as_buffer
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
@@ -41,6 +42,8 @@ class AgentInfo:
     metadata: bytes
     base_addr: int
     region_bytes: int
+    memory: str = MemoryKind.DRAM.value  # the region's kind: "dram" or "vram"
+    device: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,14 @@ class AgentStats:
 
 class TransferAgent(ABC):
     backend: ClassVar[str]
+    # Memory kinds this backend can register (a region of another kind is refused, typed).
+    memory_kinds: ClassVar[tuple[MemoryKind, ...]] = (MemoryKind.DRAM,)
     # Seconds to sleep between polls: 0 where polling itself drives progress (NIXL/UCX).
     poll_interval: ClassVar[float] = 0.0
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._region: U8 | None = None
+        self._region: Buffer | None = None
         self._live: dict[int, Any] = {}
         self._peers: dict[str, AgentInfo] = {}
         self._bytes_read = 0
@@ -80,7 +85,7 @@ class TransferAgent(ABC):
         """Let the backend make progress while the owning process waits for work."""
 
     @abstractmethod
-    def _register(self, region: U8) -> bytes:
+    def _register(self, region: Buffer) -> bytes:
         """Register the region with the backend; return this agent's metadata blob."""
 
     @abstractmethod
@@ -104,12 +109,24 @@ class TransferAgent(ABC):
         """Cancel if still running and free the handle; must not raise."""
 
     # -- the shared contract -------------------------------------------------------------------
-    def register(self, region: U8) -> AgentInfo:
+    def register(self, region: U8 | Buffer) -> AgentInfo:
+        """Register host memory (a numpy array or a DRAM `Buffer`) or GPU memory (a VRAM
+        `Buffer`); the plan is the same either way, the memory kind is the region's."""
         if self._region is not None:
             raise RuntimeError(f"agent {self.name}: a region is already registered")
-        meta = self._register(region)
-        self._region = region
-        return AgentInfo(self.backend, self.name, meta, int(region.ctypes.data), len(region))
+        buf = as_buffer(region)
+        if buf.kind not in self.memory_kinds:
+            raise TransferPlanError(
+                f"memory: the {self.backend} backend here cannot register {buf.kind.value}; "
+                f"it supports {[k.value for k in self.memory_kinds]} (use "
+                f"{'nixl or cuda_ipc' if buf.kind is MemoryKind.VRAM else 'nixl'} for "
+                f"{buf.kind.value})"
+            )
+        meta = self._register(buf)
+        self._region = buf
+        return AgentInfo(
+            self.backend, self.name, meta, buf.addr, buf.nbytes, buf.kind.value, buf.device
+        )
 
     def connect(self, peer: AgentInfo) -> None:
         if peer.backend != self.backend:
@@ -214,14 +231,22 @@ class TransferAgent(ABC):
             bytes_read=self._bytes_read,
         )
 
-    def _require_region(self) -> U8:
+    def _require_region(self) -> Buffer:
         if self._region is None:
             raise RuntimeError(f"agent {self.name}: register a region first")
         return self._region
 
 
 def make_agent(backend: str, name: str) -> TransferAgent:
-    """Instantiate the named backend (`nixl` or `mooncake`)."""
+    """Instantiate the named backend (`nixl`, `mooncake`, `cma` or `cuda_ipc`)."""
+    if backend == "cma":
+        from beamserve.kv_transfer.backends.cma import CmaAgent
+
+        return CmaAgent(name)
+    if backend == "cuda_ipc":
+        from beamserve.kv_transfer.backends.cuda_ipc import CudaIpcAgent
+
+        return CudaIpcAgent(name)
     if backend == "nixl":
         from beamserve.kv_transfer.backends.nixl import NixlAgent
 
@@ -230,7 +255,11 @@ def make_agent(backend: str, name: str) -> TransferAgent:
         from beamserve.kv_transfer.backends.mooncake import MooncakeAgent
 
         return MooncakeAgent(name)
-    raise TransferPlanError(f"backend: {backend!r} unknown; choose 'nixl' or 'mooncake'")
+    raise TransferPlanError(
+        f"backend: {backend!r} unknown; choose 'nixl', 'mooncake', 'cma' or 'cuda_ipc'"
+    )
 
 
-BACKENDS = ("nixl", "mooncake")
+# Backends that move host memory (what CPU-only machines test); cuda_ipc moves VRAM only.
+BACKENDS = ("nixl", "mooncake", "cma")
+ALL_BACKENDS = ("nixl", "mooncake", "cma", "cuda_ipc")

@@ -11,8 +11,9 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from beamserve.kv_transfer.backends.base import U8, AgentInfo, ReadOp, TransferAgent, XferState
+from beamserve.kv_transfer.backends.base import AgentInfo, ReadOp, TransferAgent, XferState
 from beamserve.kv_transfer.errors import KVTransferError
+from beamserve.kv_transfer.memory import Buffer, MemoryKind
 
 CHUNK = 512
 
@@ -27,6 +28,10 @@ class _Job:
 
 class MooncakeAgent(TransferAgent):
     backend = "mooncake"
+    # The build this project pins (mooncake-transfer-engine-efa-non-cuda) has no CUDA support:
+    # it cannot register VRAM. Mooncake's CUDA builds (mooncake-transfer-engine, cu12) can; they
+    # are not installable next to nixl-cu12 here, so VRAM goes through nixl or cuda_ipc.
+    memory_kinds = (MemoryKind.DRAM,)
     poll_interval = 0.0005
 
     def __init__(self, name: str, host: str = "127.0.0.1") -> None:
@@ -41,9 +46,9 @@ class MooncakeAgent(TransferAgent):
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         self._addr = 0
 
-    def _register(self, region: U8) -> bytes:
-        self._addr = int(region.ctypes.data)
-        rc = self._engine.register_memory(self._addr, len(region))
+    def _register(self, region: Buffer) -> bytes:
+        self._addr = region.addr
+        rc = self._engine.register_memory(self._addr, region.nbytes)
         if rc != 0:
             raise KVTransferError(f"mooncake: register_memory failed ({rc})")
         return self._session.encode()

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from beamserve.kv_transfer.backends.base import U8, AgentInfo, ReadOp, TransferAgent, XferState
+from beamserve.kv_transfer.backends.base import AgentInfo, ReadOp, TransferAgent, XferState
 from beamserve.kv_transfer.errors import PeerLostError
+from beamserve.kv_transfer.memory import Buffer, MemoryKind
 
 # One NIXL transfer covers at most this many descriptors / about this many bytes. On one host
 # UCX copies through CMA inside `transfer()` itself, so a posted transfer cannot be stopped;
@@ -30,6 +31,9 @@ CHUNK_BYTES = 64 << 20
 
 class NixlAgent(TransferAgent):
     backend = "nixl"
+    # DRAM through UCX CMA on one host; VRAM through UCX's cuda_ipc/cuda_copy transports (the
+    # memory kind is the region's: NIXL registers and describes it as "DRAM" or "VRAM").
+    memory_kinds = (MemoryKind.DRAM, MemoryKind.VRAM)
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -44,9 +48,10 @@ class NixlAgent(TransferAgent):
     def idle_progress(self) -> None:
         self._agent.get_new_notifs()  # drives the UCX worker
 
-    def _register(self, region: U8) -> bytes:
-        addr = int(region.ctypes.data)
-        self._reg = self._agent.register_memory([(addr, len(region), 0, "")], "DRAM")
+    def _register(self, region: Buffer) -> bytes:
+        self._reg = self._agent.register_memory(
+            [(region.addr, region.nbytes, region.device, "")], region.kind.nixl
+        )
         return bytes(self._agent.get_agent_metadata())
 
     def _deregister(self) -> None:
@@ -71,15 +76,18 @@ class NixlAgent(TransferAgent):
 
     def _post(self, op: ReadOp) -> _Job:
         region = self._require_region()
-        zeros = np.zeros(len(op.lengths), dtype=np.uint64)
         n = op.lengths.astype(np.uint64)
+        ldev = np.full(len(n), region.device, dtype=np.uint64)
+        rdev = np.full(len(n), op.peer.device, dtype=np.uint64)
         local = np.stack(
-            [op.local_offsets.astype(np.uint64) + np.uint64(region.ctypes.data), n, zeros], axis=1
+            [op.local_offsets.astype(np.uint64) + np.uint64(region.addr), n, ldev], axis=1
         )
         remote = np.stack(
-            [op.remote_offsets.astype(np.uint64) + np.uint64(op.peer.base_addr), n, zeros], axis=1
+            [op.remote_offsets.astype(np.uint64) + np.uint64(op.peer.base_addr), n, rdev], axis=1
         )
         job = _Job(op, local, remote, _chunk_bounds(op.lengths))
+        job.local_kind = region.kind.nixl
+        job.remote_kind = MemoryKind(op.peer.memory).nixl
         self._post_chunk(job)
         return job
 
@@ -91,8 +99,8 @@ class NixlAgent(TransferAgent):
         try:
             handle = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs(job.local[lo:hi], "DRAM"),
-                self._agent.get_xfer_descs(job.remote[lo:hi], "DRAM"),
+                self._agent.get_xfer_descs(job.local[lo:hi], job.local_kind),
+                self._agent.get_xfer_descs(job.remote[lo:hi], job.remote_kind),
                 self._remote_names[peer],
             )
             state = self._agent.transfer(handle)
@@ -142,6 +150,8 @@ class _Job:
     bounds: list[int]
     next: int = 0  # index of the next chunk to post
     handle: Any = None  # the posted chunk's NIXL transfer handle
+    local_kind: str = "DRAM"
+    remote_kind: str = "DRAM"
 
 
 def _chunk_bounds(lengths: npt.NDArray[np.int64]) -> list[int]:

@@ -594,6 +594,13 @@ def _validation_error(api: ApiName, raw: Any, err: ValidationError) -> APIError:
     return invalid_request(path or None, message, api=dialect_of(api))
 
 
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
+"""A body whose digits, mapped to ``0`` (everything else to a space), hold this run has a
+number orjson may not hold exactly (≥ 19 digits). `bytes.translate` and `in` run in C (≈ 0.1 ms
+for 100 KB, where a regex took 3.6 ms); a run inside a string only costs the standard parser."""
+
+
 def parse_request(api: ApiName, body: bytes, max_bytes: int) -> ParsedRequest:
     """Validate a client request body.
 
@@ -604,9 +611,11 @@ def parse_request(api: ApiName, body: bytes, max_bytes: int) -> ParsedRequest:
     if len(body) > max_bytes:
         raise too_large(max_bytes, len(body), api=dialect)
     try:
-        # orjson for speed; what it refuses (NaN, huge integers, bad escapes) goes through the
-        # standard parser, so accepted bodies and error messages stay the same.
-        raw = orjson.loads(body)
+        # orjson for speed; what it refuses (NaN, bad escapes) goes through the standard
+        # parser, so accepted bodies and error messages stay the same. It also reads an integer
+        # outside 64 bits as a float (silently: a tool argument's big id would lose digits), so
+        # a body with a 19-digit-or-longer number goes to the standard parser too.
+        raw = None if _LONG_RUN in body.translate(_DIGITS) else orjson.loads(body)
     except orjson.JSONDecodeError:
         raw = None
     try:

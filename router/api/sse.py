@@ -171,12 +171,15 @@ class SSEScanner:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._tail + data if self._tail else data
-        cut = buf.rfind(b"\n")
-        if cut < 0:
-            self._tail = buf
-            return b""
-        self._tail = buf[cut + 1 :]
-        head = buf[: cut + 1]
+        if buf.endswith(b"\n"):  # the usual case: whole events, nothing to keep back
+            self._tail, head = b"", buf
+        else:
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                self._tail = buf
+                return b""
+            self._tail = buf[cut + 1 :]
+            head = buf[: cut + 1]
         if b'"usage"' not in head and b'"error"' not in head and b"[DONE]" not in head:
             return head
         out: list[bytes] = []

@@ -43,7 +43,6 @@ from .agentic_procs import (
     sigterm_as_exception,
     start_router,
     start_workers,
-    tree_cpu_seconds,
 )
 from .agentic_stats import SLO_TOK_S, SLO_TTFT_S, RequestRecord, is_token_chunk, summarize
 from .agentic_workload import PromptBuilder, Session, Turn
@@ -336,7 +335,7 @@ def _one_run(
         workers = start_workers(procs, cfg.workers, cfg.profile, max_model_len=cfg.max_model_len)
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)
-        cpu0 = tree_cpu_seconds(router.proc.pid)
+        cpu0 = router.cpu_seconds()
         records, dur = asyncio.run(
             run_level(
                 router.url,
@@ -347,8 +346,8 @@ def _one_run(
                 on_request=tick,
             )
         )
-        cpu1 = tree_cpu_seconds(router.proc.pid)
-        alive = router.proc.alive()
+        cpu1 = router.cpu_seconds()
+        alive = router.alive()
     out = _figures(records, dur, gpus, cfg)
     _write_records(cfg, f"{spec.name}-c{level}", records)
     cpu = cpu1 - cpu0

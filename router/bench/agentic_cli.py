@@ -61,8 +61,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         default=None,
-        metavar="URL",
-        help="a running router to measure (workers are yours); no process is started",
+        metavar="URL|FILE",
+        help="a running router to measure (workers are yours; no process is started), or, for "
+        "`bench agentic`, a BeamDeployment FILE.yaml brought up as local processes (as "
+        "`beamserve up` does) for each concurrency level and taken down after it",
     )
     p.add_argument("--target-name", default="target", metavar="NAME")
     p.add_argument(
@@ -217,6 +219,47 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out + list(args.peer)
 
 
+def _is_spec(target: str | None) -> bool:
+    """`--target` names a BeamDeployment file rather than a running router's URL."""
+    return target is not None and not target.startswith(("http://", "https://"))
+
+
+def _spec_runs(
+    cfg: Any, spec_path: Path, args: argparse.Namespace, console: Console, progress: Any
+) -> list[Any]:
+    """`--target FILE.yaml`: for each concurrency level, bring the spec up (`SpecStack`, i.e.
+    `LocalStack`), replay against its router, take it down; every level starts cold, as the
+    self-contained mode's fresh workers do."""
+    import dataclasses
+    import tempfile
+
+    from . import agentic
+    from .agentic_procs import SpecStack
+
+    results: list[Any] = []
+    name = cfg.targets[0][0]
+    bd = cfg.extra["_deployment"]
+    cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items() if k != "_deployment"})
+    for level in cfg.concurrency:
+        run_dir = args.logs / f"{name}-c{level}-stack" if args.logs is not None else None
+        state = (
+            Path(tempfile.mkdtemp(prefix=f"beamserve-bench-{name}-"))
+            if run_dir is None
+            else run_dir
+        )
+        with SpecStack(bd, state) as stack:
+            console.print(
+                f"{name} @ C={level}: {spec_path} up, router {stack.router_url}, "
+                + ", ".join(f"{role} {url}" for role, url in stack.workers)
+            )
+            one = dataclasses.replace(cfg, targets=[(name, stack.router_url)], concurrency=[level])
+            got = agentic.run_agentic(one, say=console.print, progress=progress)
+        results += got
+        if args.json is not None:
+            agentic.write_json(results, args.json)
+    return results
+
+
 def agentic_main(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -233,6 +276,15 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     if args.peer and not args.target:
         console.print("[red]--peer needs --target (the routers already running)")
         return 2
+    spec_extra: dict[str, Any] = {}
+    if _is_spec(args.target):
+        if args.peer:
+            console.print("[red]--peer needs --target URL (a running router), not a spec file")
+            return 2
+        got_spec = _load_target_spec(Path(args.target), args, console)
+        if got_spec is None:
+            return 2
+        spec_extra = got_spec
     targets = _targets(args)
     names: list[str] = []
     if not targets:
@@ -279,22 +331,30 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
             "max_turns": args.max_turns,
         },
     )
+    if spec_extra:
+        cfg.workers, cfg.profile = spec_extra.pop("_workers"), spec_extra.pop("_profile")
+        cfg.targets = [(spec_extra.pop("_name"), "")]
+        cfg.max_model_len = None  # the spec's workers run with the spec's command lines
+        cfg.extra |= spec_extra
     n_req = sum(s.requests for s in sessions)
     console.print(
         f"beamserve bench agentic: {len(sessions)} sessions, {n_req} requests per run, "
-        f"{args.workers} × {args.profile} workers, block {block_tokens} tokens, "
+        f"{cfg.workers} × {cfg.profile} workers, block {block_tokens} tokens, "
         f"concurrency {','.join(map(str, args.concurrency))}"
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())  # fmt: skip
     try:
         with Progress(*columns, console=console, transient=True) as progress:
-            results = agentic.run_agentic(
-                cfg,
-                say=console.print,
-                progress=progress,
-                on_result=(lambda rs: agentic.write_json(rs, args.json)) if args.json else None,
-            )
+            if spec_extra:
+                results = _spec_runs(cfg, Path(args.target), args, console, progress)
+            else:
+                results = agentic.run_agentic(
+                    cfg,
+                    say=console.print,
+                    progress=progress,
+                    on_result=(lambda rs: agentic.write_json(rs, args.json)) if args.json else None,
+                )
     except ProcError as exc:
         console.print(f"[red]{exc}")
         return 1
@@ -303,8 +363,8 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]interrupted: every started process was stopped{saved}")
         return 130
     title = (
-        f"beamserve bench agentic — {len(sessions)} sessions, {args.workers} workers "
-        f"({args.profile}), token scale {args.token_scale:g}, think scale {args.think_scale:g}"
+        f"beamserve bench agentic — {len(sessions)} sessions, {cfg.workers} workers "
+        f"({cfg.profile}), token scale {args.token_scale:g}, think scale {args.think_scale:g}"
     )
     for t in agentic.tables(results, title):
         console.print(t)
@@ -314,6 +374,36 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     _outputs(results, args, title, console)
     ran = [r for r in results if not r.skipped]
     return 0 if ran else 1
+
+
+def _load_target_spec(
+    path: Path, args: argparse.Namespace, console: Console
+) -> dict[str, Any] | None:
+    """The spec of `--target FILE.yaml`, validated as `beamserve up` validates it, and what the
+    results record of it; None (after a message) when it cannot run."""
+    from beamserve.operator.local.stack import StackError, load_spec
+
+    if not path.is_file():
+        console.print(f"[red]--target {path}: no such file (give a URL or a BeamDeployment YAML)")
+        return None
+    try:
+        bd = load_spec(path)
+    except StackError as exc:
+        console.print(f"[red]--target {path}: {exc}")
+        return None
+    pools = bd.spec.pools()
+    engine = bd.spec.engine
+    name = args.target_name if args.target_name != "target" else str(bd.metadata.name)
+    return {
+        "_deployment": bd,
+        "_name": name,
+        "_workers": sum(pool.replicas for pool in pools.values()),
+        "_profile": engine.sim_profile,
+        "target_spec": str(path),
+        "engine": engine.name,
+        "pools": {role: {"replicas": pool.replicas, "tp": pool.tp} for role, pool in pools.items()},
+        "disaggregation": bd.spec.router.disaggregation.model_dump(by_alias=True),
+    }
 
 
 def _outputs(results: Any, args: argparse.Namespace, title: str, console: Console) -> None:
@@ -338,6 +428,9 @@ def wire_overhead_main(args: argparse.Namespace, console: Console) -> int:
     targets = _targets(args)
     if args.peer and not args.target:
         console.print("[red]--peer needs --target (the routers already running)")
+        return 2
+    if _is_spec(args.target):
+        console.print("[red]wire-overhead --target takes a running router's URL, not a spec file")
         return 2
     if targets and not args.worker:
         console.print("[red]--target needs --worker URL (the worker behind it, called directly)")

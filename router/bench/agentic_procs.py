@@ -7,6 +7,8 @@ catches whatever a crash leaves behind. The bench turns SIGTERM into an exceptio
 same path runs.
 
 Routers (`ROUTERS`): ``beamserve`` (``beamserve router``, KV events wired from every worker);
+``beamserve-x2`` (two of them sharing one ``redis-server``, behind Debian's ``haproxy`` in
+``mode tcp`` with ``balance random``: several replicas as a plain L4 balancer spreads them);
 the SGLang Model Gateway ``smg`` 1.13 and ``sglang-router`` 0.3.2, each with ``cache_aware`` and
 ``round_robin``; ``vllm-router`` 0.1.17 with ``sticky_least_loaded`` (its session policy: the
 best it offers here, as its ``kv_aware`` policy needs the checkpoint's tokenizer to hash
@@ -17,6 +19,7 @@ this venv (a test dependency); ``smg`` and ``vllm-router`` from ``.venv-peers``
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -27,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -250,6 +254,7 @@ class RouterSpec:
     argv: Callable[[RouterSpec, Sequence[Worker], int], list[str]] = field(repr=False)
     exe: Callable[[], str | None] = field(repr=False)
     ready_json: bool = False  # prints a JSON ready line with its url (beamserve)
+    replicas: int = 1  # > 1: that many processes, one Redis, HAProxy in front (beamserve-xN)
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (None: it can)."""
@@ -304,8 +309,9 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
         endpoints.append(e)
     exe = spec.exe()
     assert exe is not None
-    # The sim workers speak SGLang's surface, whose KV events hash pages SGLang's way.
-    return [exe, "router", "--host", "127.0.0.1", "--port", "0", "--hash-scheme", "sglang",
+    # No --hash-scheme: each worker reports its own (the sim's surfaces hash and publish KV
+    # events as vLLM does), and a flag that disagreed would only log a geometry mismatch.
+    return [exe, "router", "--host", "127.0.0.1", "--port", "0",
             "--endpoints", json.dumps(endpoints), "--policy", spec.policy]  # fmt: skip
 
 
@@ -341,6 +347,8 @@ def _router_specs() -> dict[str, RouterSpec]:
                    _beamserve_argv, beamserve_exe, ready_json=True),
         RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, _baseline_exe, ready_json=True),
+        RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, replicas=2),
         RouterSpec("smg-cache_aware", "smg", "cache_aware", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("smg-round_robin", "smg", "round_robin", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("sglang-router-cache_aware", "sglang-router", "cache_aware", "sglang-router",
@@ -372,6 +380,14 @@ class StartedRouter:
     url: str
     proc: ManagedProc
     argv: list[str]
+    replicas: list[ManagedProc] = field(default_factory=list)  # every router process
+
+    def cpu_seconds(self) -> float:
+        """CPU of every router process's tree (the balancer and Redis not counted)."""
+        return sum(tree_cpu_seconds(p.pid) for p in self.replicas or [self.proc])
+
+    def alive(self) -> bool:
+        return all(p.alive() for p in self.replicas or [self.proc])
 
 
 def probe_chat(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
@@ -397,9 +413,66 @@ def probe_chat(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: T
     raise ProcError(f"{url}: no 200 to a chat request within {timeout_s:g} s ({last})")
 
 
+def haproxy_exe() -> str | None:
+    """Debian's `haproxy` (in /usr/sbin, off a non-root PATH)."""
+    return shutil.which("haproxy") or next(
+        (p for p in ("/usr/sbin/haproxy",) if Path(p).exists()), None
+    )
+
+
+def _wait_port(port: int, timeout_s: float, alive: Callable[[], bool]) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and alive():
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise ProcError(f"nothing accepts on 127.0.0.1:{port}")
+
+
+def start_replicas(
+    procs: Procs, spec: RouterSpec, workers: Sequence[Worker], *, ready_timeout_s: float = 90.0
+) -> StartedRouter:
+    """`spec.replicas` beamserve routers sharing one `redis-server` (sessions, bindings,
+    attained service), behind HAProxy (``mode tcp``, ``balance random``) as a plain L4 load
+    balancer spreads connections; the url is HAProxy's."""
+    redis_exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    lb = haproxy_exe()
+    if lb is None or not Path(redis_exe).exists():
+        raise ProcError(f"{spec.name}: needs redis-server and haproxy (run `make debs`)")
+    rport = free_port()
+    redis = procs.start("redis", [redis_exe, "--port", str(rport), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"])  # fmt: skip
+    _wait_port(rport, 10.0, redis.alive)
+    routers, urls = [], []
+    for i in range(spec.replicas):
+        argv = [*spec.argv(spec, workers, 0), "--redis", f"redis://127.0.0.1:{rport}/0"]
+        p = procs.start(f"{spec.name}-{i}", argv)
+        routers.append(p)
+        urls.append(str(p.ready_line(ready_timeout_s)["url"]))
+    port = free_port()
+    cfg = procs.log_dir / "haproxy.cfg"
+    backends = "\n".join(f"    server r{i} {u.split('://', 1)[1]}" for i, u in enumerate(urls))
+    cfg.write_text(
+        "global\n    maxconn 4096\ndefaults\n    mode tcp\n    timeout connect 5s\n"
+        "    timeout client 900s\n    timeout server 900s\n"
+        f"frontend routers\n    bind 127.0.0.1:{port}\n    default_backend replicas\n"
+        f"backend replicas\n    balance random\n{backends}\n"
+    )
+    proxy = procs.start("haproxy", [lb, "-f", str(cfg), "-db"])
+    _wait_port(port, 10.0, proxy.alive)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        probe_chat(url, ready_timeout_s, proxy.alive)
+    except ProcError as exc:
+        raise ProcError(f"{spec.name}: {exc}\n{proxy.tail()}") from exc
+    return StartedRouter(spec, url, routers[0], routers[0].argv, routers)
+
+
 def start_router(
     procs: Procs, spec: RouterSpec, workers: Sequence[Worker], *, ready_timeout_s: float = 90.0
 ) -> StartedRouter:
+    if spec.replicas > 1:
+        return start_replicas(procs, spec, workers, ready_timeout_s=ready_timeout_s)
     port = free_port()
     argv = spec.argv(spec, workers, port)
     p = procs.start(spec.name, argv)
@@ -430,3 +503,63 @@ def sigterm_as_exception() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+class SpecStack(contextlib.AbstractContextManager["SpecStack"]):
+    """A `BeamDeployment` brought up as local processes (`LocalStack`, what `beamserve up`
+    holds) for a caller without an event loop: `bench agentic --target FILE.yaml`, the tests.
+
+    The stack's event loop runs on a thread of its own, since the replay's `asyncio.run` owns
+    the calling thread. Leaving the block — normally, on an exception or on Ctrl-C — stops
+    every process the stack started (`LocalStack.stop`). `ProcError` when it does not come up.
+    """
+
+    def __init__(
+        self,
+        spec: str | os.PathLike[str] | Any,
+        state_dir: str | os.PathLike[str] | None = None,
+        *,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        from beamserve.operator.local.stack import LocalStack
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-stack")
+        self.stack = LocalStack(spec, state_dir, ready_timeout_s=ready_timeout_s)
+
+    @property
+    def router_url(self) -> str:
+        return self.stack.router_url
+
+    @property
+    def workers(self) -> list[tuple[str, str]]:
+        """(role, url) of every worker process."""
+        return self.stack.workers
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> SpecStack:
+        from beamserve.operator.local.stack import StackError
+
+        self._thread.start()
+        try:
+            self._call(self.stack.start())
+        except StackError as exc:
+            self._close()
+            raise ProcError(f"the spec did not come up: {exc}") from exc
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            self._call(self.stack.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            self._loop.close()

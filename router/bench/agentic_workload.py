@@ -4,8 +4,11 @@ Sessions. One JSON file per session (``data/traces/claude-code``, format in
 docs/bench/agentic.md). `--sessions N` picks a *held-out*, deterministic subset: of the ``F``
 files sorted by name, the ones at positions ``⌊(i + ½)·F / N⌋`` for ``i = 0 … N−1`` (evenly
 spread over the set, so never simply the first N that `beamserve bench route --sessions N`
-replays). Every request of a file is one turn, played in file order (sub-agent calls included:
-they run serially inside their session here).
+replays). Past ``F`` (to load the pool beyond what 64 agents can), every file plays
+``N // F`` times plus the held-out subset of ``N mod F``; copy ``k ≥ 1`` of a file is the session
+``<stem>~k``: another user's conversation of the same shape, with its own texts (they are derived
+from the session name) and its own session id. Every request of a file is one turn, played in
+file order (sub-agent calls included: they run serially inside their session here).
 
 Think time. The pause before turn ``i`` is the trace's ``think_time`` of that request (the data
 show it is the pause *before* the call: ``t[i] − t[i−1] − api_time[i−1]``, mean deviation 0.34 s
@@ -85,6 +88,18 @@ def held_out(files: Sequence[Path], n: int | None) -> list[Path]:
     return [ordered[(2 * i + 1) * f // (2 * n)] for i in range(n)]
 
 
+def session_files(files: Sequence[Path], n: int | None) -> list[tuple[Path, str]]:
+    """(file, session name) of `--sessions n` (module docstring): the held-out subset up to
+    the number of files, whole copies of the set and a held-out remainder past it."""
+    ordered = sorted(files)
+    if n is None or n <= len(ordered):
+        return [(f, f.stem) for f in held_out(ordered, n)]
+    rounds, rest = divmod(n, len(ordered))
+    out = [(f, f.stem if k == 0 else f"{f.stem}~{k}") for k in range(rounds) for f in ordered]
+    out += [(f, f"{f.stem}~{rounds}") for f in held_out(ordered, rest)] if rest else []
+    return out
+
+
 def block_tokens_for(token_scale: float) -> int:
     """Tokens per trace block after scaling (at least 2: one word and its space)."""
     bt = round(TRACE_BLOCK_SIZE * token_scale)
@@ -124,7 +139,7 @@ def load_sessions(
     else:
         raise WorkloadError(f"{path}: no such file or directory (--trace)")
     out: list[Session] = []
-    for file in held_out(files, sessions):
+    for file, name in session_files(files, sessions):
         try:
             data = json.loads(file.read_text())
             raw: list[dict[str, Any]] = list(data["requests"])
@@ -153,7 +168,7 @@ def load_sessions(
                 )
             )
         if turns:
-            out.append(Session(file.stem, tuple(turns)))
+            out.append(Session(name, tuple(turns)))
     return out
 
 

@@ -96,6 +96,27 @@ def add_bench_route(bench_sub: Any) -> argparse.ArgumentParser:
         help="replicas route on their own in-flight book only, ignoring what the scrapes say "
         "about the other replicas' work (the behaviour before effective load; for comparison)",
     )
+    p.add_argument(
+        "--herd",
+        action="store_true",
+        help="replicas extrapolate the other replicas' load between scrapes from their own "
+        "changes (the herd term of router/load.py; off by default, as measured in "
+        "docs/bench/route.md)",
+    )
+    p.add_argument(
+        "--no-replica-sync",
+        action="store_true",
+        help="with N > 1 replicas: no replica sync (router/sync.py) — each replica learns the "
+        "others' bookings from scrapes and their prefixes from the engines' KV events only",
+    )
+    p.add_argument(
+        "--sync-lag-s",
+        type=float,
+        default=0.002,
+        metavar="S",
+        help="replica sync: delay from one replica's publish to the others' receipt (virtual "
+        "seconds; default 2 ms, a LAN Redis)",
+    )
     return p
 
 
@@ -149,7 +170,10 @@ def route_main(args: argparse.Namespace, console: Console) -> int:
             flow=not args.no_flow,
             seed=args.seed,
             combine_scrape=not args.own_book_only,
+            herd=args.herd,
             scrape_interval_s=args.scrape_interval_s,
+            replica_sync=not args.no_replica_sync,
+            sync_lag_s=args.sync_lag_s,
         )
     except (TraceError, ReplayError) as exc:
         console.print(f"[red]{exc}")

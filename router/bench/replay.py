@@ -40,6 +40,14 @@ KV usage, `queued_prefill_tokens`) every ``scrape_interval_s``, replica ``k`` sh
 ``k · scrape_interval_s / N`` (replicas do not scrape in step), and combines it with its own
 book (`beamserve.router.load.effective_load`). ``N = 1`` is the single router above.
 
+Replica sync (``replica_sync``, on by default for N > 1; `beamserve.router.sync`): each
+replica's `ReplicaSync` publishes its bookings and predictions, encoded as on the wire, on an
+in-process bus that delivers every message to every other replica ``sync_lag_s`` later (default
+2 ms: a LAN Redis round trip plus the event loop's turn), as the Redis channel does in
+production; heartbeats every ``SyncParams.heartbeat_s`` while requests are active. A peer's
+change re-observes the receiving replica's pool saturation, as its own arrivals and
+completions do.
+
 Flow control on a virtual clock. `FlowController.admit` is a coroutine (it waits on an
 asyncio future until dispatched). The replay runs the virtual clock inside an asyncio event
 loop: each arrival creates an ``admit`` task; after any clock event that touched the controller
@@ -78,6 +86,7 @@ from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import QUEUED_PREFILL_METRICS, LoadBook, LoadParams
 from beamserve.router.policy import RoutingPolicy, build_policy
 from beamserve.router.sessions import MemorySessionStore
+from beamserve.router.sync import ReplicaSync, SyncParams, SyncState
 from beamserve.router.types import Band, Endpoint, RouteRequest
 from beamserve.workers.sim import (
     EngineConfig,
@@ -118,6 +127,10 @@ class ReplayConfig:
     | `router_replicas` | ``1`` | independent router replicas, requests spread at random |
     | `seed` | ``0`` | seed of the replica draw |
     | `combine_scrape` | ``True`` | False: each replica routes on its own book only (ablation) |
+    | `herd` | ``False`` | True: the herd term between scrapes (`LoadParams.extrapolate`) |
+    | `replica_sync` | ``True`` | N > 1: replicas share bookings and predictions (`router.sync`) |
+    | `sync_lag_s` | ``0.002`` | replica sync: publish → peer delivery delay (s) |
+    | `sync` | `SyncParams()` | replica sync: flush interval, heartbeat, peer staleness |
     | `flow_config` | `FlowConfig()` | bands, queue bounds, TTLs |
     | `saturation` | `SaturationConfig()` | the pool saturation detector |
     """
@@ -135,13 +148,17 @@ class ReplayConfig:
     router_replicas: int = 1
     seed: int = 0
     combine_scrape: bool = True
+    herd: bool = False
+    replica_sync: bool = True
+    sync_lag_s: float = 0.002
+    sync: SyncParams = field(default_factory=SyncParams)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ReplayError(f"workers: {self.workers}; give at least 1")
         if self.router_replicas < 1:
             raise ReplayError(f"router_replicas: {self.router_replicas}; give at least 1")
-        for name in ("kv_event_lag_s", "session_interval_s", "scrape_interval_s"):
+        for name in ("kv_event_lag_s", "session_interval_s", "scrape_interval_s", "sync_lag_s"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name}: must be ≥ 0, got {getattr(self, name)}")
 
@@ -158,6 +175,7 @@ class RequestRecord:
     reason: str = ""
     hit_kind: str = "none"
     dispatch_seq: int = -1
+    dispatch_s: float | None = None  # left flow control's queue (the gate wait ends)
     first_token_s: float | None = None
     finish_s: float | None = None
     shed: bool = False
@@ -187,6 +205,8 @@ class PolicyRun:
     sim_s: float
     wall_s: float
     router_replicas: int = 1
+    sync_messages: int = 0  # replica-sync messages published, all replicas together
+    sync_bytes: int = 0  # … their encoded size
 
 
 @cache
@@ -279,6 +299,35 @@ class _Replica:
     core: RoutingCore
     flow: _FlowDriver | None
     ticking: bool = False
+    sync: ReplicaSync | None = None
+    beating: bool = False  # its sync heartbeat is scheduled
+
+
+class _SyncBus:
+    """Replica sync's channel in the replay: every message reaches every other replica's
+    `ReplicaSync.deliver` `lag_s` later on the virtual clock (the Redis channel in production)."""
+
+    def __init__(self, clock: VirtualClock, lag_s: float) -> None:
+        self.clock, self.lag_s = clock, lag_s
+        self.members: list[ReplicaSync] = []
+
+    def transport(self, k: int) -> _BusTransport:
+        return _BusTransport(self, k)
+
+    def publish(self, k: int, data: bytes) -> None:
+        at = self.clock.now() + self.lag_s
+        for j, member in enumerate(self.members):
+            if j != k:  # Redis echoes it to the sender too; `SyncState` would ignore it
+                self.clock.call_at(at, functools.partial(member.deliver, data))
+
+
+@dataclass(frozen=True)
+class _BusTransport:
+    bus: _SyncBus
+    k: int
+
+    def publish(self, data: bytes) -> None:
+        self.bus.publish(self.k, data)
 
 
 class Replay:
@@ -308,6 +357,9 @@ class Replay:
         self.replicas = [
             self._replica(profile.model.sliding_window) for _ in range(cfg.router_replicas)
         ]
+        self.sync_bus: _SyncBus | None = None
+        if cfg.replica_sync and cfg.router_replicas > 1:
+            self.sync_bus = self._connect_sync()
         # The first replica's parts (the only ones when N = 1).
         self.index, self.core, self.flow = (
             self.replicas[0].index,
@@ -334,7 +386,10 @@ class Replay:
         core = RoutingCore(
             make_policy(self.policy_name, cfg.profile),
             index=index,
-            loads=LoadBook(clock=now, params=LoadParams(combine_scrape=cfg.combine_scrape)),
+            loads=LoadBook(
+                clock=now,
+                params=LoadParams(combine_scrape=cfg.combine_scrape, extrapolate=cfg.herd),
+            ),
             config=CoreConfig(
                 geometry=KVGeometry.of(INDEX_BLOCK_SIZE, sliding_window),
                 predict_ttl_s=cfg.predict_ttl_s,
@@ -348,6 +403,48 @@ class Replay:
             )
             flow = _FlowDriver(controller)
         return _Replica(index, core, flow)
+
+    def _connect_sync(self) -> _SyncBus:
+        """One `ReplicaSync` per replica on one in-process bus (module docstring)."""
+        cfg, clock = self.config, self.clock
+        bus = _SyncBus(clock, cfg.sync_lag_s)
+        for k, r in enumerate(self.replicas):
+            sync = ReplicaSync(
+                SyncState(f"replica-{k}", cfg.sync),
+                r.core.loads,
+                r.index,
+                bus.transport(k),
+                clock.call_later,
+                clock.now,
+                on_peers_changed=functools.partial(self._observe_pool, k),
+            )
+            r.core.on_predict = sync.predicted
+            if r.flow is not None:
+                flow = r.flow
+                flow.controller.on_spare_room = sync.offer_room
+                flow.controller.on_continuing_queued = sync.queue_changed
+                flow.controller.peers_busy = sync.peers_busy
+                sync.on_grant = functools.partial(self._grant, flow)
+            r.sync = sync
+            bus.members.append(sync)
+        return bus
+
+    @staticmethod
+    def _grant(flow: _FlowDriver, tokens: int) -> None:
+        """Room a peer handed over (`FlowController.grant_room`); admitted items resolve."""
+        flow.controller.grant_room(tokens)
+        flow.dirty = True
+
+    def _beat(self, k: int) -> None:
+        """Replica `k`'s sync heartbeat, every ``heartbeat_s / 2`` while requests are active."""
+        r = self.replicas[k]
+        if r.sync is None:
+            return
+        r.sync.tick()
+        if self._active > 0:
+            self.clock.call_later(self.config.sync.heartbeat_s / 2, lambda: self._beat(k))
+        else:
+            r.beating = False
 
     def _sink(self, worker: str) -> Callable[[KVEventBatch], None]:
         """Every replica's index subscribes to every engine's events (same lag for all)."""
@@ -398,6 +495,10 @@ class Replay:
             self.replicas[k].ticking = False
 
     def _ensure_tick(self) -> None:
+        for k, r in enumerate(self.replicas):
+            if r.sync is not None and not r.beating:
+                r.beating = True
+                self._beat(k)
         interval = self.config.scrape_interval_s
         if interval <= 0:
             return
@@ -462,6 +563,7 @@ class Replay:
         rec.reason = decision.reason
         rec.hit_kind = decision.expected_hit.kind
         rec.dispatch_seq = next(self._seq)
+        rec.dispatch_s = self.clock.now()
         sim = SimRequest(
             request_id=req.key,
             prompt_tokens=req.prompt_tokens,
@@ -564,6 +666,8 @@ class Replay:
             t_last - t_first,
             wall,
             len(self.replicas),
+            sum(r.sync.stats.published for r in self.replicas if r.sync is not None),
+            sum(r.sync.stats.published_bytes for r in self.replicas if r.sync is not None),
         )
 
     async def _settle(self) -> None:
@@ -607,5 +711,8 @@ def describe(config: ReplayConfig) -> dict[str, Any]:
         "flow": config.flow,
         "router_replicas": config.router_replicas,
         "combine_scrape": config.combine_scrape,
+        "herd": config.herd,
+        "replica_sync": config.replica_sync and config.router_replicas > 1,
+        "sync_lag_s": config.sync_lag_s,
         "beamserve_prefill_tok_s": round(calibrated_prefill_tok_s(config.profile)),
     }

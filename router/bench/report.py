@@ -21,6 +21,8 @@ finished; shed requests count only in `shed_rate`):
 | `partial_hit_rate` | decisions whose expected hit was partial (window tail evicted) |
 | `window_recompute_ratio` | tokens recomputed to rebuild an evicted window / Σ prompt |
 | `router_replicas` | independent router replicas the requests were spread over |
+| `sync_messages_per_request` | replica-sync messages published per request (N > 1, sync on) |
+| `sync_bytes_per_request` | … their encoded bytes per request |
 
 `replica_goals(results)` checks several replicas against one (`--router-replicas 1,4`), per
 policy: block hit ∞ ≥ 0.99 × one replica's, TTFT p90 ≤ 1.1 × one replica's, no session split
@@ -77,6 +79,8 @@ class RouteResult:
     capacity_continuing_ttft_p99_s: float | None = None
     capacity_bounded: bool | None = None
     router_replicas: int = 1
+    sync_messages_per_request: float | None = None
+    sync_bytes_per_request: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: _clean(v) for k, v in asdict(self).items()}
@@ -144,6 +148,8 @@ def summarize(run: PolicyRun) -> RouteResult:
         sim_s=run.sim_s,
         wall_s=run.wall_s,
         router_replicas=run.router_replicas,
+        sync_messages_per_request=run.sync_messages / len(records) if run.sync_messages else None,
+        sync_bytes_per_request=run.sync_bytes / len(records) if run.sync_messages else None,
     )
 
 
@@ -260,7 +266,7 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
     from rich.table import Table
 
     table = Table(title=title)
-    cols = (
+    cols: tuple[str, ...] = (
         "policy",
         "routers",
         "load",
@@ -278,6 +284,9 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
         "shed",
         "partial",
     )
+    synced = any(r.sync_bytes_per_request is not None for r in results)
+    if synced:
+        cols += ("sync msg/req", "sync KiB/req")
     for c in cols:
         table.add_column(c, justify="left" if c == "policy" else "right")
     for r in results:
@@ -300,6 +309,14 @@ def results_table(title: str, results: Sequence[RouteResult]) -> Any:
             else f"{r.sessions_split}/{r.sessions} ({r.sessions_split_unsaturated})",
             _fmt(r.shed_rate, ".1%"),
             _fmt(r.partial_hit_rate, ".1%"),
+            *(
+                (
+                    _fmt(r.sync_messages_per_request, ".1f"),
+                    _fmt(r.sync_bytes_per_request and r.sync_bytes_per_request / 1024, ".2f"),
+                )
+                if synced
+                else ()
+            ),
         )
     return table
 

@@ -27,6 +27,19 @@ room. Contract:
   them; new and sheddable work waits here instead, until the level falls below the threshold,
   and is shed by its TTL if it never does — the overload is absorbed by the lower bands. A
   signal without `admits` (a test fake) gates on `saturated` and room alone.
+* **Several replicas.** Each router replica has its own controller, and while saturated each
+  gets room only from its own completions — so room freed at a replica with nothing queued
+  would sit unused while another replica's continuing turns wait. With replica sync
+  (`beamserve.router.sync`) a replica hears how many continuing turns each peer has queued
+  (`on_continuing_queued` reports its own), and the room a release frees while saturated is
+  split evenly among the peers whose continuing turns wait (`on_spare_room` returns what it
+  handed over; a peer receives its share through `grant_room`) — also when continuing turns
+  wait here: every replica hands its room on alike, so room goes round to where turns wait;
+  with no such peer it stays here as before. Room is never created, only
+  moved: the pool's saturated pace is kept. The two exceptions for "nothing in flight" (a
+  large item; new work in a levelled spell) read the pool (`peers_busy`: a peer has requests
+  in flight or continuing turns queued), or a replica whose own requests happen to have all
+  finished would let new sessions in ahead of the continuing turns queued at the others.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -236,6 +249,13 @@ class FlowController:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        # Room shared between router replicas (`beamserve.router.sync`; module docstring,
+        # "Several replicas"): offer room this replica cannot use; hear its continuing queue.
+        self.on_spare_room: Callable[[int], int] | None = None
+        self.on_continuing_queued: Callable[[int], None] | None = None
+        # Whether other replicas have requests in flight or continuing turns queued: the
+        # saturated gate's "nothing in flight" exceptions are about the pool, not this replica.
+        self.peers_busy: Callable[[], bool] | None = None
 
     # --- public --------------------------------------------------------------------------------
 
@@ -327,6 +347,8 @@ class FlowController:
         self._queues[band].setdefault(item.tenant, deque()).append(item)
         self._queued[band] += 1
         heapq.heappush(self._deadlines, (item.deadline, item.seq, item))
+        if band == "continuing" and self.on_continuing_queued is not None:
+            self.on_continuing_queued(self._queued[band])
 
     def _refuse(self, item: _Item, detail: str) -> None:
         self._shed[(item.band, "overload")] += 1
@@ -349,6 +371,8 @@ class FlowController:
             del self._queues[item.band][item.tenant]
         self._queued[item.band] -= 1
         item.state = state
+        if item.band == "continuing" and self.on_continuing_queued is not None:
+            self.on_continuing_queued(self._queued["continuing"])
 
     def _shed_item(self, item: _Item, reason: ShedReason, detail: str) -> None:
         self._shed[(item.band, reason)] += 1
@@ -385,14 +409,16 @@ class FlowController:
         admits = getattr(self.saturation, "admits", None)
         levelled = admits is not None  # a measured level: room is for continuing turns
         admitted = getattr(self.saturation, "admitted", None)
+        peers_busy = self.peers_busy
         while (item := self._next_item(now)) is not None:
             if item.future.cancelled():  # caller gone; its handler has not run yet
                 self._drop(item, _CANCELLED)
                 self._cancelled[item.band] += 1
                 continue
             if saturated:
-                fits = item.cost <= self._room or (self._room > 0 and self._in_flight == 0)
-                if not fits or (levelled and item.band != "continuing" and self._in_flight):
+                busy = bool(self._in_flight) or (peers_busy is not None and peers_busy())
+                fits = item.cost <= self._room or (self._room > 0 and not busy)
+                if not fits or (levelled and item.band != "continuing" and busy):
                     break
                 self._room = max(self._room - item.cost, 0)
             elif admits is not None and not admits(item.cost):
@@ -422,8 +448,20 @@ class FlowController:
         if released is not None:
             released(ticket.cost_tokens)
         if self._update_saturation(now):
-            self._room += ticket.cost_tokens
+            cost = ticket.cost_tokens
+            spare = self.on_spare_room
+            # Handed to the peers whose continuing turns wait: what they got leaves this room.
+            given = spare(cost) if spare is not None else 0
+            self._room += cost - min(max(given, 0), cost)
         self._pump()
+
+    def grant_room(self, tokens: int) -> None:
+        """Room another replica freed and could not use (`on_spare_room` there): while this
+        replica is saturated it serves the queue as room freed here would; otherwise the gate
+        is open anyway and the grant is dropped."""
+        if tokens > 0 and self._update_saturation(self._clock()):
+            self._room += tokens
+            self._pump()
 
     def _on_caller_cancelled(self, item: _Item) -> None:
         if item.state == _QUEUED:

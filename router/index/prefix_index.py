@@ -424,12 +424,14 @@ class PrefixIndex:
         block_hashes: Iterable[int | bytes],
         ttl_s: float,
         now: float | None = None,
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Count these blocks as resident on the worker (both groups) for ``ttl_s`` seconds,
         or until a real full-group event for the block on that worker arrives.
 
         The router calls this when it sends a request: the engine will hold the prompt's blocks
         soon, before its events say so. Blocks already resident in both groups are skipped.
+        Returns the keys (`block_key`) of the blocks predicted or moved to the later expiry:
+        what a peer index fed the same events lacks (replica sync sends only these).
         """
         if ttl_s <= 0:
             raise PrefixIndexError(f"ttl_s must be positive, got {ttl_s}; use e.g. 10.0")
@@ -457,8 +459,11 @@ class PrefixIndex:
             # prediction clears them): a refresh only moves the expiry.
             preds[key] = expiry
             added.append(key)
-        if added:
-            heapq.heappush(self._pred_heap, (expiry, next(self._pred_seq), bit, tuple(added)))
+        if not added:
+            return ()
+        out = tuple(added)
+        heapq.heappush(self._pred_heap, (expiry, next(self._pred_seq), bit, out))
+        return out
 
     def _clear_pred_bits(self, key: int, keep: int) -> None:
         mask = self._pred_mask.get(key, 0) & keep

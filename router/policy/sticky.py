@@ -12,7 +12,9 @@ uncached tokens, a partial hit recomputing its window tail, over the prefill rat
                                                         → reason "rebalance"
         otherwise stay on w₀                             → reason "sticky"
     no warm worker among the candidates:
-        pick argmin_w ttft(w)  (ties: stable hash of the session/request id)
+        pick argmin_w ttft(w)  (ties — with router replicas in sync, every worker within
+                                `tie_window_s` of the least estimate — by a stable hash
+                                of the session/request id)
                                                         → reason "prefix" when the pick holds more
                                                           of the prompt than the worst candidate,
                                                           else "load"
@@ -31,6 +33,18 @@ request queued on ``b`` after this one waits for them too. When the whole pool i
 move swaps one long queue for another and adds that work; the saving must pay for it a second
 time (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it.
 
+Why a tie window: estimates a few tens of milliseconds apart are equal within the estimator's
+noise, and several router replicas deciding a burst at the same instant on the same (synced)
+view would all take the one lowest: the window spreads such picks by request id, as a single
+router's one-after-the-other decisions spread them by seeing each other's bookings (Dynamo's
+router temperature plays this part). It applies only while the router hears replica-sync
+peers (`RouteRequest.router_peers`): a single router decides a burst one request after the
+other and needs no spreading. **Off by default**, as measured (4 replicas, first 3,000 Mooncake
+lines, docs/bench/route.md): 0.1 s moved max/mean load from 1.19 to 1.13 where the trace's
+arrivals share the very same instants, but from 1.14 to 1.24 once each arrival is spread by
+U(0, 50 ms) — random picks among near-ties unbalance traffic that a synced view would have
+ordered. Set it where replicas see truly simultaneous bursts.
+
 The no-warm case is Dynamo's cost rule in seconds
 (``cost = prefill blocks + decode load``), llm-d's "sticky until saturated" for the warm case.
 
@@ -44,6 +58,7 @@ window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 | `margin_s` | ``1.0`` | leave only if warm TTFT − best other's > this (s) |
 | `margin_ratio` | ``1.5`` | … and warm TTFT > this × best other's |
 | `move_cost` | ``1.0`` | … and the difference also > this × the move's recompute seconds |
+| `tie_window_s` | ``0.0`` | with replica-sync peers: estimates within this of the least tie (s) |
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
@@ -75,6 +90,7 @@ class StickyParams(TTFTParams):
     margin_s: float = Field(default=1.0, ge=0)
     margin_ratio: float = Field(default=1.5, ge=1.0)
     move_cost: float = Field(default=1.0, ge=0.0)
+    tie_window_s: float = Field(default=0.0, ge=0.0)
 
 
 def should_leave_warm(
@@ -141,12 +157,13 @@ class StickyUntilSaturated:
             scores=tuple(sorted((i, 1.0 / (1.0 + e.seconds)) for i, e in est.items())),
         )
 
-    @staticmethod
     def _cheapest(
-        request: RouteRequest, views: Sequence[WorkerView], est: dict[str, TTFTEstimate]
+        self, request: RouteRequest, views: Sequence[WorkerView], est: dict[str, TTFTEstimate]
     ) -> WorkerView:
         best = min(est[v.endpoint.id].seconds for v in views)
-        tied = [v for v in views if est[v.endpoint.id].seconds <= best + 1e-12]
+        w = self.params.tie_window_s
+        window = w if w > 0 and request.router_peers > 0 else 1e-12
+        tied = [v for v in views if est[v.endpoint.id].seconds <= best + window]
         return break_tie(request, tied)
 
     def _explain(

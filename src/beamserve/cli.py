@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from beamserve import __version__, log
@@ -32,21 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="move an 80K-token Beam KV from a TP8 prefill group to a TP4 decode group",
-        description="Spawns one process per rank on each side (on this machine), writes a "
-        "Beam-shaped KV for one request on the prefill side, and lets the decode side pull "
-        "it over NIXL through the HTTP handshake; prints what moved, how fast, and the "
-        "byte-for-byte verification.",
+        help="the product on this machine: a tiny real Beam, disaggregated, on agent traces",
+        description="`beamserve demo`: brings up manifests/examples/local-ref.yaml (prefill "
+        "TP2 → decode TP1 over NIXL, the router in front; makes the tiny checkpoint if "
+        "missing), replays claude-code sessions through the router with the openai SDK and "
+        "prints per turn the TTFT, cached tokens, the router's decision and the KV moved, then "
+        "a summary. `beamserve demo kv`: moves an 80K-token Beam KV from a TP8 prefill group "
+        "to a TP4 decode group (one process per rank) and verifies it byte for byte.",
     )
+    demo.add_argument("what", nargs="?", choices=("agents", "kv"), default="agents")
+    demo.add_argument("--spec", type=Path, default=None, help="agents: a sim/ref BeamDeployment")
+    demo.add_argument("--trace", type=Path, default=None, help="agents: claude-code directory")
+    demo.add_argument("--sessions", nargs="+", default=["trace_0002", "trace_0024", "trace_0028"])
+    demo.add_argument("--turns", type=positive_int, default=4, help="agents: turns per session")
+    demo.add_argument("--state-dir", type=Path, default=None)
     demo.add_argument("--tokens", type=positive_int, default=81920)
     demo.add_argument("--pair", type=tp_pair, default=(8, 4), metavar="P:D")
-    demo.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl")
+    demo.add_argument("--backend", choices=("nixl", "mooncake", "cma"), default="nixl")
 
     bench = sub.add_parser("bench", help="benchmarks (results as a table, JSON and a plot)")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kv = bsub.add_parser(
         "kv-transfer",
-        help="real NIXL/Mooncake transfers of Beam-shaped KV between rank processes",
+        help="real NIXL/Mooncake/CMA transfers of Beam-shaped KV between rank processes",
         description="For each backend, TP pair and token count: plan, pull and verify one "
         "request's KV (Beam 1.0 shape: 52 layers, 8 KV heads, head_dim 128, bf16, page 64), "
         "beside a plain memcpy of the same bytes. Goals: bytes_moved == bytes_minimum; NIXL "
@@ -61,8 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P:D",
     )
     kv.add_argument(
-        "--backend", nargs="+", choices=("nixl", "mooncake"), default=["nixl", "mooncake"]
+        "--backend",
+        nargs="+",
+        choices=("nixl", "mooncake", "cma", "cuda_ipc"),
+        default=["nixl", "mooncake", "cma"],
+        help="default: nixl mooncake cma (dram), cuda_ipc (vram); cma: batched cross-memory "
+        "attach between processes of one host",
     )
+    kv.add_argument("--memory", choices=("dram", "vram"), default="dram", help="KV regions in")
+    kv.add_argument(
+        "--path",
+        nargs="+",
+        choices=("direct", "staged", "auto"),
+        default=["direct"],
+        help="direct, staged (gather/one descriptor per chunk/scatter), auto (cost model)",
+    )
+    kv.add_argument(
+        "--kv-dtype", nargs="+", choices=("bf16", "fp8_e4m3"), default=["bf16"], metavar="DTYPE"
+    )
+    kv.add_argument(
+        "--staging-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="staging pool per rank (default 512 MiB dram, 4 GiB vram; 0: no staged path)",
+    )
+    kv.add_argument("--chunk-bytes", type=int, default=None, metavar="N", help="per wire chunk")
     kv.add_argument(
         "--json",
         type=Path,
@@ -77,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="throughput plot (PNG); default: next to --json",
     )
+
+    from beamserve.kv_transfer.bench_cli import add_bench_kv_plan
+
+    add_bench_kv_plan(bsub)
 
     from beamserve.workers.sim import cli as sim_cli  # parser only: loads no simulator
 
@@ -113,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from beamserve.operator import commands as operator_commands  # parsers only
 
     operator_commands.add_runtime_commands(sub)
+    from beamserve.operator.local import cli as local_cli  # parsers only
+
+    local_cli.add_local_commands(sub)
     return parser
 
 
@@ -151,10 +189,18 @@ def _add_sidecar(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log.setup(args.log_level)
+    if args.command == "demo" and args.what == "agents":
+        from beamserve.operator.local.demo import demo_main
+
+        return demo_main(args, console)
     if args.command == "demo":
         return _demo(args)
     if args.command == "bench" and args.bench == "kv-transfer":
         return _bench_kv(args)
+    if args.command == "bench" and args.bench == "kv-plan":
+        from beamserve.kv_transfer.bench_cli import bench_kv_plan_main
+
+        return bench_kv_plan_main(args, console)
     if args.command == "bench" and args.bench == "sim-fidelity":
         from beamserve.workers.sim.cli import sim_fidelity_main
 
@@ -199,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from beamserve.operator.cli import operator_main
 
         return operator_main(args)
+    if args.command in ("up", "down", "status"):
+        from beamserve.operator.local.cli import local_main
+
+        return local_main(args, console)
     if args.command == "check" and args.check == "disagg":
         from beamserve.workers.ref.cli import check_disagg_main
 
@@ -242,52 +292,9 @@ def _results_table(title: str, rows: Sequence[TransferResult]) -> Table:
 
 
 def _bench_kv(args: argparse.Namespace) -> int:
-    from beamserve.kv_transfer import bench
+    from beamserve.kv_transfer.bench_cli import bench_kv_main
 
-    results: list[bench.TransferResult] = []
-    total = len(args.backend) * len(args.pairs) * len(args.tokens)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
-        task = progress.add_task("kv-transfer", total=total)
-        for r in bench.run_bench(args.tokens, args.pairs, args.backend):
-            results.append(r)
-            progress.update(
-                task,
-                advance=1,
-                description=(
-                    f"{r.backend} {r.src_tp}:{r.dst_tp} {r.tokens:,} tok: {r.gbps:.2f} GB/s"
-                ),
-            )
-    console.print(_results_table("beamserve bench kv-transfer", results))
-    bench.write_json(results, args.json)
-    plot_path = args.plot or args.json.with_suffix(".png")
-    bench.plot(results, plot_path)
-    console.print(f"wrote {args.json} and {plot_path}")
-    _report_goals(results)
-    return 0 if all(r.verified and r.bytes_moved == r.bytes_minimum for r in results) else 1
-
-
-def _report_goals(results: Sequence[TransferResult]) -> None:
-    big = max(r.tokens for r in results)
-    exact = all(r.bytes_moved == r.bytes_minimum for r in results)
-    console.print(f"goal bytes_moved == bytes_minimum everywhere: {'met' if exact else 'MISSED'}")
-    for r in results:
-        if r.backend == "nixl" and (r.src_tp, r.dst_tp) == (8, 4) and r.tokens == big:
-            ratio = r.gbps / r.memcpy_gbps
-            console.print(
-                f"goal NIXL {big:,} tok 8:4 >= 0.8 x memcpy: ratio {ratio:.2f} "
-                f"({'met' if ratio >= 0.8 else 'MISSED'})"
-            )
-    worst = max((r.plan_ms for r in results if r.tokens == big), default=0.0)
-    console.print(
-        f"goal plan_ms <= 20 at {big:,} tokens: worst {worst:.1f} ms "
-        f"({'met' if worst <= 20 else 'MISSED'})"
-    )
+    return bench_kv_main(args, console)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -67,6 +67,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.router.sessionStore.type"),
     ("bad redis url", S.disagg(router={"sessionStore": {"type": "external", "url": "h:1"}}),
      "spec.router.sessionStore.url"),
+    ("sync channel with spaces", S.disagg(router={"replicaSync": {"channel": "a b"}}),
+     "spec.router.replicaSync.channel"),
     # pools
     ("both and prefill/decode", S.disagg(both={"tp": 4}), "spec.both"),
     ("no pool", S.disagg(prefill=D, decode=D), "spec"),
@@ -213,6 +215,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     # router
     ("replicated routers, memory sessions", S.disagg(router={"replicas": 2}),
      "spec.router.sessionStore.type"),
+    ("sync channel, memory sessions", S.disagg(router={"replicaSync": {"channel": "x:sync"}}),
+     "spec.router.replicaSync.channel"),
     ("external store without url", S.disagg(router={"sessionStore": {"type": "external"}}),
      "spec.router.sessionStore.url"),
     ("url on a memory store", S.disagg(router={"sessionStore": {"url": "redis://r:6379"}}),

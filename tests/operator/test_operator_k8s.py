@@ -5,10 +5,9 @@ Setup (module fixture, in this order):
   Deployments, ReplicaSets) and the `ServiceAccount` admission plugin off: without the token
   controller that plugin refuses every pod whose ServiceAccount has no token Secret, and pods
   are what the tests mark ready (no kubelet runs: a fake below the part under test);
-* the BeamDeployment CRD without CEL (`crd.crd_without_cel()`, and without the `default: ""`
-  string defaults that 1.20's CRD validation refuses as null), the BeamPool CRD, and the
-  third-party CRDs of tests/operator/crds (CEL stripped: 1.20 refuses it under SSA), created by
-  the admin;
+* the BeamDeployment CRD without CEL (`crd.crd_without_cel()`, installed as generated), the
+  BeamPool CRD, and the third-party CRDs of tests/operator/crds (CEL and `default: ""`
+  stripped: 1.20 refuses both), created by the admin;
 * `helm install` of charts/beamserve with the real helm binary (`--skip-crds`: the chart's CRD
   carries CEL; `webhook.url` points the webhook at the operator on loopback);
 * `beamserve operator` as a subprocess, authenticated with a token of the chart's own
@@ -19,8 +18,12 @@ Setup (module fixture, in this order):
 Proven: create → every child, owned by the BeamDeployment; status from the children; zero
 writes at rest and after an operator restart (resourceVersions unchanged, no duplicates); a
 spec change rolls the pool in place; `kubectl scale`-style writes to a BeamPool's `/scale`
-reach the pool; a KV-incompatible change makes a second revision beside the first, which is
-drained then removed once the new one is ready; invalid specs are refused by the webhook with
+reach the pool; BeamPools of pools the spec lacks are pruned (only those the BeamDeployment
+controls); a KV-incompatible change makes a second revision beside the first, which is
+unrouted once the new one is ready and removed only when a real `beamserve router` (discovering
+a slowed sim worker through this API server, reached through the router Service's
+EndpointSlice) reports no request in flight on it — or at the drain timeout, with a
+`DrainTimedOut` event; invalid specs are refused by the webhook with
 the field and the fix; deletion garbage-collects every child; the chart's RBAC forbids what the
 operator does not need.
 """
@@ -64,13 +67,14 @@ BD = "/apis/beamserve.io/v1alpha1/namespaces/{ns}/beamdeployments"
 STEP_S = 60.0
 
 
-def _strip(node: Any) -> Any:
-    """What 1.20 cannot take: CEL (refused under SSA), and `default: ""` (its CRD validation
-    reads an empty string default as null and refuses it). A list-map key whose empty default
-    goes is made required instead (1.20 wants one or the other)."""
+def _upstream_for_1_20(node: Any) -> Any:
+    """The third-party CRDs of tests/operator/crds (upstream files, not generated here) without
+    what 1.20 cannot take: CEL (refused under SSA), and `default: ""` (its CRD validation reads
+    an empty string default as null and refuses it). A list-map key whose empty default goes is
+    made required instead (1.20 wants one or the other). Our own CRDs install as generated."""
     if isinstance(node, dict):
         out = {
-            k: _strip(v)
+            k: _upstream_for_1_20(v)
             for k, v in node.items()
             if k != "x-kubernetes-validations" and not (k == "default" and v == "")
         }
@@ -80,7 +84,7 @@ def _strip(node: Any) -> Any:
             items["required"] = sorted(set(items.get("required", [])) | set(keys))
         return out
     if isinstance(node, list):
-        return [_strip(v) for v in node]
+        return [_upstream_for_1_20(v) for v in node]
     return node
 
 
@@ -237,9 +241,9 @@ def env() -> Iterator[Env]:
         cluster.start()
         admin = Api(cluster.server, cluster.token)
         crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-        bodies = [_strip(crd.crd_without_cel()), scaler.scaler_crd()]
+        bodies = [crd.crd_without_cel(), scaler.scaler_crd()]  # as generated
         for f in sorted(CRDS.glob("*.yaml")):
-            bodies.append(_strip(yaml.safe_load(f.read_text())))
+            bodies.append(_upstream_for_1_20(yaml.safe_load(f.read_text())))
         for body in bodies:
             resp = admin.create(crds, body)
             assert resp.status_code == 201, resp.text
@@ -581,6 +585,45 @@ def test_beampool_scale_reaches_the_pool_and_spec_changes_win_once(env: Env) -> 
     )
 
 
+def test_beampools_of_pools_the_spec_lacks_are_pruned(env: Env) -> None:
+    """A BeamPool the BeamDeployment controls but whose pool the spec lacks (as after a switch
+    between prefill + decode and `both`, which the webhook refuses in place) is deleted;
+    one labelled alike that it does not control is left alone."""
+    ns = namespace(env)
+    bd = create_bd(env, ns, sim_spec())
+    pools = KINDS["BeamPool"].format(ns=ns)
+    wait_for("BeamPools", lambda: env.admin.maybe(f"{pools}/beam-decode"))
+    labels = {
+        "app.kubernetes.io/instance": "beam",
+        "app.kubernetes.io/managed-by": "beamserve",
+        "beamserve.io/role": "both",
+    }
+    owner = {
+        "apiVersion": "beamserve.io/v1alpha1",
+        "kind": "BeamDeployment",
+        "name": "beam",
+        "uid": bd["metadata"]["uid"],
+        "controller": True,
+    }
+    for name, refs in (("beam-both", [owner]), ("beam-keep", [])):
+        resp = env.admin.create(
+            pools,
+            {
+                "apiVersion": "beamserve.io/v1alpha1",
+                "kind": "BeamPool",
+                "metadata": {"name": name, "labels": labels, "ownerReferences": refs},
+                "spec": {"deployment": "beam", "role": "both", "replicas": 1},
+            },
+        )
+        assert resp.status_code == 201, resp.text
+    # its event re-runs the reconcile, which deletes the stale one
+    wait_for("the stale BeamPool deleted", lambda: env.admin.maybe(f"{pools}/beam-both") is None)
+    names = {p["metadata"]["name"] for p in env.admin.items(pools)}
+    assert names == {"beam-prefill", "beam-decode", "beam-keep"}
+    log = env.operator.text()
+    assert "prune_beampool" in log and "forbidden" not in log.lower(), log[-3000:]
+
+
 def test_kv_incompatible_change_makes_a_new_revision_and_drains_the_old(env: Env) -> None:
     ns = namespace(env)
     bd = create_bd(env, ns, sim_spec())
@@ -618,6 +661,169 @@ def test_kv_incompatible_change_makes_a_new_revision_and_drains_the_old(env: Env
         assert (kind, f"beam-prefill-{new_rev}") in have
     final = wait_ready(env, ns)["status"]
     assert final["currentRevision"] == new_rev == final["updateRevision"]
+
+
+SLICES = "/apis/discovery.k8s.io/v1beta1/namespaces/{ns}/endpointslices"
+
+
+def add_slice(env: Env, ns: str, service: str, pod: str, port: int) -> None:
+    """What the EndpointSlice controller (not run here) would publish for `service`: one ready
+    endpoint, the process on loopback `port` standing for the pod's `http` port."""
+    resp = env.admin.create(
+        SLICES.format(ns=ns),
+        {
+            "apiVersion": "discovery.k8s.io/v1beta1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{service}-test",
+                "labels": {"kubernetes.io/service-name": service},
+            },
+            "addressType": "IPv4",
+            "endpoints": [
+                {
+                    "addresses": ["127.0.0.1"],
+                    "conditions": {"ready": True},
+                    "targetRef": {"kind": "Pod", "name": pod, "namespace": ns},
+                }
+            ],
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        },
+    )
+    assert resp.status_code == 201, resp.text
+
+
+class HeldRequest:
+    """A streaming chat request through the router, held open (first token read) until
+    `release()` — a request in flight on its worker."""
+
+    def __init__(self, router_url: str) -> None:
+        import threading
+
+        self.started, self.released = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(router_url,), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str) -> None:
+        body = {
+            "model": "beam",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4000,
+            "stream": True,
+        }
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                # keep reading (leaving the line iterator early would close the stream)
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.started.set()
+                    if self.released.is_set():
+                        break  # the client goes away: the request ends
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def release(self) -> None:
+        self.released.set()
+        self.thread.join(30)
+
+
+def events(env: Env, ns: str, reason: str) -> list[dict[str, Any]]:
+    items = env.admin.items(f"/api/v1/namespaces/{ns}/events")
+    return [e for e in items if e.get("reason") == reason]
+
+
+def drain_setup(env: Env, spawn_worker: Any, ns: str, drain_s: int) -> tuple[str, str, Any]:
+    """A ready BeamDeployment; a slowed sim worker standing for its decode pod (the decode
+    Service's slice); a real `beamserve router` discovering it through the API server, and
+    standing for the router pod (the router Service's slice). Returns (old revision, new
+    revision, the held request, in flight on the old revision's decode worker)."""
+    bd = create_bd(env, ns, sim_spec(rollout={"drainTimeoutSeconds": drain_s}))
+    old_rev = revision(_spec_model(bd))
+    wait_ready(env, ns)
+    worker = spawn_worker("--engine", "sim", "--speed", "0.01")
+    add_slice(
+        env, ns, f"beam-decode-{old_rev}", "beam-decode-old-0", int(worker.url.rsplit(":")[-1])
+    )
+    router = spawn_worker(
+        "--kubernetes",
+        "beam",
+        "--namespace",
+        ns,
+        "--kubeconfig",
+        str(env.cluster.kubeconfig),
+        "--host",
+        "127.0.0.1",
+        command="router",
+    )
+    add_slice(env, ns, "beam-router", "beam-router-0", int(router.url.rsplit(":")[-1]))
+    wait_for(
+        "the router discovers the old decode worker",
+        lambda: any(
+            w["id"] == "beam-decode-old-0" and w["revision"] == old_rev
+            for w in httpx.get(f"{router.url}/admin/workers", timeout=5).json()["workers"]
+        ),
+    )
+    held = HeldRequest(router.url)
+    assert held.started.wait(60) and held.error is None, held.error
+    report = httpx.get(f"{router.url}/admin/workers", timeout=5).json()
+    assert [(w["id"], w["in_flight"]) for w in report["workers"]] == [("beam-decode-old-0", 1)]
+    env.admin.patch(f"{BD.format(ns=ns)}/beam", {"spec": {"kv": {"pageSize": 32}}})
+    new_rev = revision(_spec_model(env.admin.get(f"{BD.format(ns=ns)}/beam")))
+    assert new_rev != old_rev
+
+    def unrouted() -> bool:
+        mark_pods_ready(env, ns)  # the new revision's pods
+        return env.admin.maybe(f"{KINDS['Service'].format(ns=ns)}/beam-decode-{old_rev}") is None
+
+    wait_for("the old revision's Services deleted (unrouted)", unrouted, timeout=120)
+    return old_rev, new_rev, held
+
+
+def old_workloads(env: Env, ns: str, old_rev: str) -> set[tuple[str, str]]:
+    return {k for k in children(env, ns) if k[1].endswith(old_rev)}
+
+
+def test_retiring_revision_waits_for_the_routers_in_flight_requests(
+    env: Env, spawn_worker: Any
+) -> None:
+    ns = namespace(env)
+    old_rev, new_rev, held = drain_setup(env, spawn_worker, ns, drain_s=600)
+    try:
+        # the router no longer lists the old worker, but its request runs: the old pools stay
+        time.sleep(5)  # several --drain-poll-s rechecks
+        assert {k[0] for k in old_workloads(env, ns, old_rev)} == {
+            "Deployment",
+            "PodDisruptionBudget",
+        }
+        bd = env.admin.get(f"{BD.format(ns=ns)}/beam")
+        progressing = condition(bd, "Progressing")
+        assert progressing["reason"] == "RetiringRevision", progressing
+        assert "1 request(s) in flight" in progressing["message"], progressing
+        assert not events(env, ns, "RevisionRetired")
+    finally:
+        held.release()  # the request ends
+    wait_for("the drained revision removed", lambda: not old_workloads(env, ns, old_rev))
+    (event,) = wait_for("RevisionRetired", lambda: events(env, ns, "RevisionRetired"))
+    assert old_rev in event["message"] and event["involvedObject"]["name"] == "beam"
+    assert not events(env, ns, "DrainTimedOut")
+    final = wait_ready(env, ns)["status"]
+    assert final["currentRevision"] == new_rev
+
+
+def test_retiring_revision_is_removed_at_the_drain_timeout(env: Env, spawn_worker: Any) -> None:
+    ns = namespace(env)
+    old_rev, _, held = drain_setup(env, spawn_worker, ns, drain_s=8)
+    try:
+        assert old_workloads(env, ns, old_rev)  # the request still runs
+        wait_for("removed at the timeout", lambda: not old_workloads(env, ns, old_rev))
+        (event,) = wait_for("DrainTimedOut", lambda: events(env, ns, "DrainTimedOut"))
+        assert event["type"] == "Warning" and old_rev in event["message"]
+        assert "1 request(s) in flight" in event["message"], event["message"]
+    finally:
+        held.release()
 
 
 def test_multinode_pool_and_gateway_objects_pass_the_real_schemas(env: Env) -> None:
@@ -713,7 +919,8 @@ def test_chart_rbac_is_enough_and_no_more(env: Env) -> None:
         ("GET", f"/api/v1/namespaces/{ns}/pods"),
         ("POST", f"/api/v1/namespaces/{ns}/pods"),
         ("PUT", f"{KINDS['Deployment'].format(ns=ns)}/beam-router"),
-        ("DELETE", f"{KINDS['BeamPool'].format(ns=ns)}/beam-decode"),
+        ("PUT", f"{KINDS['BeamPool'].format(ns=ns)}/beam-decode"),  # patches, never updates
+        ("DELETE", KINDS["BeamPool"].format(ns=ns)),  # deletes one by one, no collection
         ("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
         ("PATCH", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/other"),
     ]:

@@ -87,3 +87,25 @@ def test_webhook_admits_the_examples_as_the_server_defaults_them(path: Path) -> 
     bad = copy.deepcopy(stored)
     bad["spec"]["kv"]["pageSize"] = 48
     assert validate(without_defaults(bad)) != []
+
+
+def _pool(name: str, *refs: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": name, "ownerReferences": list(refs)}}
+
+
+def test_stale_pools_are_the_owned_ones_the_spec_lost() -> None:
+    from beamserve.operator.scaler import stale_pools
+
+    mine = {"kind": "BeamDeployment", "name": "beam", "uid": "u1", "controller": True}
+    live = [
+        _pool("beam-prefill", mine),
+        _pool("beam-decode", mine),
+        _pool("beam-both", mine),  # the spec went back to prefill + decode
+        _pool("beam-both-copy", {**mine, "uid": "u2"}),  # another (recreated) BeamDeployment's
+        _pool("beam-hand-made"),  # labelled alike, owned by nobody
+        _pool("beam-referenced", {**mine, "controller": False}),  # referenced, not controlled
+    ]
+    assert stale_pools(live, "u1", ["beam-prefill", "beam-decode"]) == ["beam-both"]
+    assert stale_pools(live, "u1", ["beam-both"]) == ["beam-decode", "beam-prefill"]
+    assert stale_pools(live, "u1", ["beam-prefill", "beam-decode", "beam-both"]) == []
+    assert stale_pools([], "u1", []) == []

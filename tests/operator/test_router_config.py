@@ -47,6 +47,24 @@ def test_the_file_fills_the_flags(tmp_path: Path) -> None:
     assert args.flow["max_queued"] == 100  # type: ignore[attr-defined]
 
 
+def test_replica_sync_settings_reach_the_router(tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    assert args.replica_sync is True and args.sync_channel is None  # type: ignore[attr-defined]
+    path = tmp_path / "sync.yaml"
+    path.write_text(
+        yaml.safe_dump({**CONFIG, "replicaSync": {"enabled": False, "channel": "team-a:sync"}})
+    )
+    argv = ["router", "--endpoints", "[]", "--config", str(path)]
+    off = apply_router_config(build_parser().parse_args(argv))
+    assert off.replica_sync is False  # type: ignore[attr-defined]
+    assert off.sync_channel == "team-a:sync"  # type: ignore[attr-defined]
+    # and the runtime is built from them (no sync, the named channel kept for when it is on)
+    from beamserve.router.cli import runtime_config
+
+    cfg = runtime_config(off)
+    assert cfg.replica_sync is False and cfg.sync_channel == "team-a:sync"
+
+
 def test_flags_override_the_file(tmp_path: Path) -> None:
     args = _args(tmp_path, "--port", "9100", "--policy", "round-robin", "--redis", "redis://x")
     assert args.port == 9100  # type: ignore[attr-defined]

@@ -466,3 +466,26 @@ def test_model_list_validates_as_openai_models() -> None:
     assert body["object"] == "list"
     models = [openai.types.Model.model_validate(m) for m in body["data"]]
     assert [m.id for m in models] == ["beam", "beam-fast"] and models[0].created == 7
+
+
+def test_integers_beyond_64_bits_keep_every_digit() -> None:
+    """orjson reads an integer outside 64 bits as a float; the parser must not lose digits
+    (a tool call's id or a seed): found by the property test above."""
+    big, neg = 2**64 + 1, -(2**63) - 1
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {"a": big, "b": neg}}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": ""}
+    body = {
+        "model": "beam",
+        "max_tokens": 8,
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result]},
+        ],
+    }
+    chat = _call("messages", body).body["messages"]
+    (call,) = [c for m in chat if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    assert json.loads(call["function"]["arguments"]) == {"a": big, "b": neg}
+    chat_body = {"model": "beam", "messages": [{"role": "user", "content": "x"}], "seed": big}
+    raw = parse_request("chat", json.dumps(chat_body).encode(), 1 << 20).raw
+    assert raw["seed"] == big and isinstance(raw["seed"], int)

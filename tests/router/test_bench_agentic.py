@@ -25,6 +25,7 @@ from beamserve.router.bench.agentic_workload import (
     default_trace_dir,
     held_out,
     load_sessions,
+    session_files,
 )
 
 from tests.conftest import RunBeamserve
@@ -94,6 +95,26 @@ def test_held_out_subset_is_spread_deterministic_and_not_the_first_files() -> No
     assert [int(p.stem[-4:]) for p in got] == [4, 12, 20, 28, 36, 44, 52, 60]
     assert held_out(files, None) == files and held_out(files, 100) == files
     assert len(set(held_out(files, 7))) == 7
+
+
+def test_sessions_past_the_set_are_copies_with_their_own_names_and_texts() -> None:
+    files = [Path(f"trace_{i:04d}.json") for i in range(64)]
+    assert session_files(files, 8) == [(f, f.stem) for f in held_out(files, 8)]
+    got = session_files(files, 136)  # two rounds and a held-out 8
+    names = [n for _, n in got]
+    assert len(got) == 136 and len(set(names)) == 136
+    assert names[:64] == [f.stem for f in files] and names[64] == "trace_0000~1"
+    assert [f for f, n in got if n.endswith("~2")] == held_out(files, 8)
+    sessions = load_sessions(TRACE, sessions=len(list(TRACE.glob("*.json"))) + 1, max_turns=2)
+    first, copy = sessions[0], sessions[-1]
+    assert copy.name.endswith("~1") and copy.turns == next(
+        s.turns for s in sessions if s.name == copy.name.split("~")[0]
+    )
+    b = PromptBuilder(16)
+    assert b.text(copy.name, copy.turns[0].hash_ids) != b.text(
+        copy.name.split("~")[0], copy.turns[0].hash_ids
+    )
+    assert first.name == sorted(TRACE.glob("*.json"))[0].stem
 
 
 def test_sessions_scale_outputs_and_think_times() -> None:
@@ -212,6 +233,38 @@ def test_self_contained_run_through_the_beamserve_router(
     assert r.returncode == 0, r.stderr[-3000:]
     text = md.read_text()
     assert "**Concurrency 1**" in text and "| beamserve | 8/8 | 0 |" in text
+
+
+def test_two_router_replicas_behind_haproxy_share_sessions(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    """`beamserve-x2`: two router processes, one Redis, HAProxy (`balance random`) in front.
+    Both replicas route, and every session's turns land on one worker whichever replica
+    decided them (the shared session store)."""
+    out = tmp_path / "x2.json"
+    r = beamserve(
+        "bench", "agentic", "--routers", "beamserve-x2", "--workers", "2", "--sessions", "4",
+        "--max-turns", "4", "--concurrency", "4", "--token-scale", "0.05", "--think-scale", "0",
+        "--json", str(out), "--logs", str(tmp_path / "logs"), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["router"] == "beamserve-x2" and row["ok"] == row["requests"] == 16
+    run = tmp_path / "logs" / "beamserve-x2-c4"
+    assert "balance random" in (run / "haproxy.cfg").read_text()
+    workers_of: dict[str, set[str]] = {}
+    deciders = set()
+    for i in (0, 1):
+        for line in (run / f"beamserve-x2-{i}.err").read_text().splitlines():
+            if '"router.decision"' not in line:
+                continue
+            d = json.loads(line)
+            if not d["session_id"].startswith("trace_"):  # the bench's readiness probe
+                continue
+            deciders.add(i)
+            workers_of.setdefault(d["session_id"], set()).add(d["decode"])
+    assert deciders == {0, 1}  # random balancing over 16 requests: both take some
+    assert len(workers_of) == 4 and all(len(w) == 1 for w in workers_of.values()), workers_of
 
 
 def test_wire_overhead_through_the_beamserve_router(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,20 +14,21 @@ import pytest
 from beamserve.router.bench import cli
 from beamserve.router.bench.replay import Replay, ReplayConfig, ReplayError
 from beamserve.router.bench.report import RouteResult, replica_goals, summarize
-from beamserve.router.bench.traces import load_trace
+from beamserve.router.bench.traces import Trace, load_trace
+from beamserve.router.load import NO_BOOKING
 from beamserve.router.types import WorkerLoad
 from rich.console import Console
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 CLAUDE = TRACES / "claude-code"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CLAUDE.exists(), reason="data/traces not present")
 
 
-@needs_traces
 def test_replicas_book_only_their_own_requests_and_see_the_others_through_scrapes() -> None:
     trace = load_trace(MOONCAKE, requests=300)
-    rp = Replay(trace, "beamserve", 8.0, ReplayConfig(workers=4, router_replicas=3))
+    rp = Replay(
+        trace, "beamserve", 8.0, ReplayConfig(workers=4, router_replicas=3, replica_sync=False)
+    )
     assert len({id(r.core.loads) for r in rp.replicas}) == 3
     assert len({id(r.index) for r in rp.replicas}) == 3
     foreign: list[int] = []
@@ -53,7 +56,6 @@ def test_replicas_book_only_their_own_requests_and_see_the_others_through_scrape
     assert max(foreign) > 0  # other replicas' work showed up through the scrapes
 
 
-@needs_traces
 def test_one_replica_is_the_single_router_and_the_draw_is_seeded() -> None:
     trace = load_trace(CLAUDE, sessions=3)
     one = Replay(trace, "beamserve", 4.0, ReplayConfig(workers=4)).run()
@@ -109,7 +111,6 @@ def _args(**kw: object) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@needs_traces
 def test_cli_runs_each_replica_count(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     args = _args(
@@ -129,3 +130,55 @@ def test_cli_runs_each_replica_count(tmp_path: Path) -> None:
     ]
     with pytest.raises(SystemExit):
         _args(trace=MOONCAKE, router_replicas="0")
+
+
+def _spread_bursts(trace: Trace, over_s: float, seed: int = 1) -> Trace:
+    """The trace with each arrival moved later by U(0, `over_s`): Mooncake's lines arrive in
+    bursts at the very same instant (every 3 s), which no replica sync with a delay can order."""
+    rng = random.Random(seed)
+    moved = (replace(r, arrival_s=r.arrival_s + rng.uniform(0, over_s)) for r in trace.requests)
+    return replace(trace, requests=tuple(sorted(moved, key=lambda r: r.arrival_s)))
+
+
+def test_replica_sync_makes_four_replicas_route_like_one() -> None:
+    trace = _spread_bursts(load_trace(MOONCAKE, requests=300), 0.5)
+    one = summarize(Replay(trace, "beamserve", 1.0, ReplayConfig(router_replicas=1)).run())
+    rp = Replay(trace, "beamserve", 1.0, ReplayConfig(router_replicas=4))
+    synced = summarize(rp.run())
+    alone = summarize(
+        Replay(trace, "beamserve", 1.0, ReplayConfig(router_replicas=4, replica_sync=False)).run()
+    )
+    assert one.ttft_p90_s is not None and synced.ttft_p90_s is not None
+    assert alone.ttft_p90_s is not None
+    # with sync: the single router's TTFT and balance; without: visibly worse
+    assert abs(synced.ttft_p90_s - one.ttft_p90_s) <= 0.1 * one.ttft_p90_s
+    assert synced.ttft_p90_s < alone.ttft_p90_s - 0.2
+    assert synced.max_mean_load is not None and alone.max_mean_load is not None
+    assert one.max_mean_load is not None
+    assert synced.max_mean_load <= one.max_mean_load + 0.05
+    assert synced.max_mean_load < alone.max_mean_load - 0.2
+    # the bus carried every replica's bookings and predictions; at the end nothing is booked
+    # anywhere, as each replica knows it of its peers too
+    assert rp.sync_bus is not None
+    for r in rp.replicas:
+        assert r.sync is not None and r.sync.stats.published > 0
+        assert r.sync.stats.predictions_applied > 0
+        end = rp.clock.now()
+        for w in rp.endpoints:
+            assert r.sync.state.counts(w.id, end) == r.core.loads.book(w.id) == NO_BOOKING
+
+
+def test_replica_sync_is_on_for_several_replicas_unless_asked_not_to() -> None:
+    trace = load_trace(CLAUDE, sessions=2)
+    assert Replay(trace, "beamserve", 4.0, ReplayConfig(workers=4)).sync_bus is None
+    assert Replay(trace, "beamserve", 4.0, ReplayConfig(router_replicas=2)).sync_bus is not None
+    off = ReplayConfig(router_replicas=2, replica_sync=False)
+    assert Replay(trace, "beamserve", 4.0, off).sync_bus is None
+    args = _args(trace=MOONCAKE, router_replicas="1,4")
+    assert not args.no_replica_sync and args.sync_lag_s == 0.002
+    parser = argparse.ArgumentParser()
+    cli.add_bench_route(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["route", "--trace", str(MOONCAKE), "--no-replica-sync"])
+    assert args.no_replica_sync
+    with pytest.raises(ReplayError, match="sync_lag_s"):
+        ReplayConfig(sync_lag_s=-1)

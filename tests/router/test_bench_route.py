@@ -21,7 +21,6 @@ from rich.console import Console
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # bundled with the repository
 CLAUDE = TRACES / "claude-code"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
-needs_traces = pytest.mark.skipif(not CLAUDE.exists(), reason="data/traces not present")
 
 REQUIRED = {
     "policy",
@@ -96,7 +95,6 @@ def test_capacity_search_edges() -> None:
     assert 2 <= shedding.load <= 4
 
 
-@needs_traces
 def test_loaders_namespace_and_expand() -> None:
     cc = load_trace(CLAUDE, sessions=3)
     assert cc.kind == "closed" and len(cc.sessions) == 3
@@ -118,7 +116,6 @@ def cc_slice_results() -> dict[str, RouteResult]:
     return {p: summarize(replay(trace, p, 4.0, cfg)) for p in ("round-robin", "prefix-only")}
 
 
-@needs_traces
 def test_prefix_only_beats_round_robin(cc_slice_results: dict[str, RouteResult]) -> None:
     rr, po = cc_slice_results["round-robin"], cc_slice_results["prefix-only"]
     assert po.block_hit_unbounded > rr.block_hit_unbounded
@@ -127,7 +124,6 @@ def test_prefix_only_beats_round_robin(cc_slice_results: dict[str, RouteResult])
     assert po.sessions_split == 0 and rr.sessions_split == rr.sessions
 
 
-@needs_traces
 def test_result_has_every_field(cc_slice_results: dict[str, RouteResult]) -> None:
     row = cc_slice_results["prefix-only"].to_json()
     assert set(row) >= REQUIRED
@@ -146,7 +142,6 @@ def _args(**kw: object) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@needs_traces
 def test_cli_smoke_mooncake(tmp_path: Path) -> None:
     out, assign = tmp_path / "r.json", tmp_path / "a.jsonl"
     args = _args(

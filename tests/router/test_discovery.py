@@ -314,7 +314,15 @@ def test_endpoints_from_properties(
 # -- API access config --------------------------------------------------------------------------
 
 
+def _bearer(access: KubeAccess) -> str | None:
+    """The Authorization header the `kubernetes` client will send."""
+    auth = access.configuration.auth_settings().get("BearerToken")
+    return None if auth is None else str(auth["value"])
+
+
 def test_kubeconfig_token_insecure_and_namespace(tmp_path: Path) -> None:
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "client.key").write_text("KEY")
     cfg = tmp_path / "kubeconfig"
     cfg.write_text(
         """
@@ -340,38 +348,60 @@ users:
     )
     access = KubeAccess.from_kubeconfig(cfg)
     assert access.server == "https://127.0.0.1:6443"
-    assert access.token == "s3cret" and access.insecure and access.namespace == "beam"
+    assert _bearer(access) == "Bearer s3cret" and access.insecure and access.namespace == "beam"
     other = KubeAccess.from_kubeconfig(cfg, context="other")
-    assert other.client_cert is not None
-    assert other.client_cert[0].read_bytes() == b"CERT"
-    assert other.client_cert[1] == tmp_path / "keys" / "client.key"
-    assert other.namespace == "default" and other.token is None
-    with pytest.raises(DiscoveryConfigError, match="no context named 'nope'"):
+    assert Path(other.configuration.cert_file).read_bytes() == b"CERT"  # data → a file
+    assert Path(other.configuration.key_file) == tmp_path / "keys" / "client.key"  # relative
+    assert other.namespace == "default" and _bearer(other) is None
+    with pytest.raises(DiscoveryConfigError, match="no context named 'nope'; have: other, test"):
         KubeAccess.from_kubeconfig(cfg, context="nope")
+    with pytest.raises(DiscoveryConfigError, match="no such kubeconfig file"):
+        KubeAccess.from_kubeconfig(tmp_path / "missing")
 
 
-def test_kubeconfig_exec_users_are_refused_with_the_fix(tmp_path: Path) -> None:
+def test_kubeconfig_exec_users_run_their_plugin(tmp_path: Path) -> None:
+    """Exec credential plugins (EKS, GKE, OIDC helpers) run as kubectl runs them: the
+    `kubernetes` package's loader starts the command and sends the token it prints."""
+    plugin = tmp_path / "plugin.sh"
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "kind": "ExecCredential",
+        "status": {"token": "from-plugin"},
+    }
+    plugin.write_text(f"#!/bin/sh\necho '{json.dumps(credential)}'\n")
+    plugin.chmod(0o755)
     cfg = tmp_path / "kc.json"  # JSON is YAML too
+    exec_user = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": str(plugin),
+        "interactiveMode": "Never",
+    }
     cfg.write_text(
         json.dumps(
             {
                 "current-context": "c",
                 "clusters": [{"name": "k", "cluster": {"server": "https://k:443"}}],
                 "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-                "users": [{"name": "u", "user": {"exec": {"command": "aws"}}}],
+                "users": [{"name": "u", "user": {"exec": exec_user}}],
             }
         )
     )
-    with pytest.raises(DiscoveryConfigError, match="use a token"):
-        KubeAccess.from_kubeconfig(cfg)
+    assert _bearer(KubeAccess.from_kubeconfig(cfg)) == "Bearer from-plugin"
 
 
 def test_in_cluster_reads_service_account_files(tmp_path: Path) -> None:
-    (tmp_path / "token").write_text("tok\n")
+    (tmp_path / "token").write_text("tok")
+    (tmp_path / "ca.crt").write_text("CA")
     (tmp_path / "namespace").write_text("beam-system")
     env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
     access = KubeAccess.in_cluster(tmp_path, env)
     assert access.server == "https://10.96.0.1:443"
-    assert access.token_file == tmp_path / "token" and access.namespace == "beam-system"
+    assert _bearer(access) == "bearer tok" and access.namespace == "beam-system"
+    assert access.configuration.ssl_ca_cert == str(tmp_path / "ca.crt")
+    # projected tokens rotate: the client re-reads the file (each minute) through this hook
+    assert access.configuration.refresh_api_key_hook is not None
     with pytest.raises(DiscoveryConfigError, match="kubeconfig"):
         KubeAccess.in_cluster(tmp_path, {})
+    (tmp_path / "ca.crt").unlink()
+    with pytest.raises(DiscoveryConfigError, match="automountServiceAccountToken"):
+        KubeAccess.in_cluster(tmp_path, env)

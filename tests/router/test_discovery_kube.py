@@ -4,6 +4,10 @@ The fake serves what discovery uses of the real API: `/apis` (group discovery), 
 (newline-delimited JSON events, resourceVersion, label selectors) of Services and EndpointSlices,
 bearer-token auth, a 410 Gone for an expired resourceVersion (both as an HTTP status and as a
 watch ERROR event), and connections that drop mid-watch. A real kube-apiserver test is separate.
+
+The fake runs on the test's own event loop, the one discovery publishes on: a client that
+blocked that loop could never get an answer, so every test here also shows that the
+`kubernetes` client's blocking calls stay off it (in discovery's threads).
 """
 
 from __future__ import annotations
@@ -133,7 +137,15 @@ def make_app(kube: FakeKube) -> FastAPI:
         async def stream() -> AsyncIterator[bytes]:
             sent = since
             if since < kube.compacted[kind]:
-                status = {"kind": "Status", "code": 410, "message": "too old resource version"}
+                status = {  # what kube-apiserver sends
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "message": f"too old resource version: {since} ({kube.rv})",
+                    "reason": "Expired",
+                    "code": 410,
+                }
                 yield (json.dumps({"type": "ERROR", "object": status}) + "\n").encode()
                 return
             while True:
@@ -212,7 +224,7 @@ async def run_with_fake(slice_versions: tuple[str, ...], scenario: Any) -> None:
     try:
         while not server.started:
             await asyncio.sleep(0.01)
-        access = KubeAccess(server=f"http://127.0.0.1:{port}", token=TOKEN, namespace=NS)
+        access = KubeAccess.for_server(f"http://127.0.0.1:{port}", token=TOKEN, namespace=NS)
         settings = WatchSettings(watch_timeout_s=30, backoff_initial_s=0.02, backoff_max_s=0.1)
         await scenario(kube, KubernetesDiscovery("beam", access, settings=settings))
     finally:
@@ -309,7 +321,7 @@ def test_wrong_token_keeps_retrying_without_sync() -> None:
     async def scenario(kube: FakeKube, disco: KubernetesDiscovery) -> None:
         bad = KubernetesDiscovery(
             "beam",
-            KubeAccess(server=disco.access.server, token="wrong", namespace=NS),
+            KubeAccess.for_server(disco.access.server, token="wrong", namespace=NS),
             settings=disco.settings,
         )
         async with bad:
@@ -344,3 +356,39 @@ def test_starting_server_without_the_group_yet_is_retried() -> None:
             assert ids(disco.endpoints) == ["beam-decode-1"]
 
     asyncio.run(run_with_fake((), scenario))
+
+
+def test_stop_ends_the_watch_threads_promptly() -> None:
+    """`stop()` cuts the open watches short (their threads end within about a second, not at
+    the server-side watch timeout), and the event loop keeps running meanwhile."""
+    import threading
+    import time
+
+    async def scenario(kube: FakeKube, disco: KubernetesDiscovery) -> None:
+        kube.put("services", service("beam-decode", "decode"))
+        kube.put("endpointslices", endpoint_slice("beam-decode", {"10.0.0.1": True}))
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await disco.start()
+        await disco.wait_synced(30)  # a slow first call on a loaded machine
+        while not (kube.watches["services"] and kube.watches["endpointslices"]):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # both watches open, their threads blocked reading
+        ticks_before = ticks
+        await asyncio.sleep(0.5)
+        assert ticks - ticks_before >= 10  # the loop runs meanwhile
+        t0 = time.monotonic()
+        await disco.stop()
+        # the watches' server-side timeout is 30 s here: stop does not wait for it
+        assert time.monotonic() - t0 < 10
+        assert not [t for t in threading.enumerate() if t.name.startswith("kube-")]
+        ticker.cancel()
+
+    asyncio.run(run_with_fake(("v1",), scenario))

@@ -67,6 +67,52 @@ def test_unprobed_workers_serve_colocated_only() -> None:
     assert not pairs_with(p, d)
 
 
+@pytest.mark.parametrize(
+    ("models", "server_info", "want"),
+    [
+        ({"data": [{"id": "a", "prefix_caching": False}]}, None, False),  # vLLM surface
+        (MODELS, info("decode", prefix_caching=False), False),  # beamserve's own field
+        (MODELS, info("decode", disable_radix_cache=True), False),  # SGLang's
+        (MODELS, info("prefill", disable_radix_cache=False), True),
+        (MODELS, info("null", prefix_caching="no", disable_radix_cache="x"), None),  # junk
+        (MODELS, None, None),  # not reported: assumed to cache
+    ],
+)
+def test_prefix_caching_is_what_the_worker_says(
+    models: Any, server_info: Any, want: bool | None
+) -> None:
+    f = facts_from(models, server_info)
+    assert f.prefix_caching is want
+    assert apply_facts(Endpoint("w", "http://w", role="decode"), f).prefix_caching is want
+
+
+def test_no_predictions_on_a_worker_that_keeps_no_prefix() -> None:
+    """A P/D dispatch predicts the prompt's blocks on both workers, except on a decode worker
+    that reported it caches nothing (a ref decode worker, SGLang with --disable-radix-cache):
+    the next turn must not be sent there to find a prefix that is not there."""
+    from beamserve.router.core import RoutingCore
+    from beamserve.router.policy import ConditionalDisaggregation, build_policy
+    from beamserve.router.types import RouteRequest
+
+    hashes = tuple(range(1, 41))  # 40 blocks of 64 tokens
+    for caching in (None, False):
+        core = RoutingCore(
+            build_policy("sticky-until-saturated"),
+            disaggregation=ConditionalDisaggregation.from_params({"min_uncached_tokens": 100}),
+        )
+        p = Endpoint("p", "http://p", role="prefill", kv_send=True, kv_receive=False)
+        d = Endpoint("d", "http://d", role="decode", kv_send=False, kv_receive=True,
+                     prefix_caching=caching)  # fmt: skip
+        req = RouteRequest("r0", prompt_tokens=2560, block_hashes=hashes, session_id="s")
+        decision = core.decide(req, [p, d])
+        assert decision.prefill is not None and decision.prefill.id == "p"
+        core.dispatched(req, decision)
+        nxt = RouteRequest("r1", prompt_tokens=2624, block_hashes=(*hashes, 41), session_id="s")
+        hits = {v.endpoint.id: v.hit.full_blocks for v in core.views(nxt, [p, d])}
+        assert hits["p"] == 40
+        assert hits["d"] == (40 if caching is None else 0)
+
+
 def test_facts_book_rebuilds_only_on_change() -> None:
     book = FactsBook()
     eps = [Endpoint("p", "http://p", role="prefill")]
@@ -100,3 +146,4 @@ def test_probe_against_real_workers(spawn_worker: SpawnWorker) -> None:
     window = get_profile("tiny-cpu").model.sliding_window
     for f in (v, s):
         assert f.geometry(KVGeometry.of(16, 512, "sglang")) == KVGeometry(64, window)
+        assert f.prefix_caching is True  # the sim engine keeps a prefix cache by default

@@ -343,22 +343,20 @@ def test_bad_queries_raise_typed_errors_naming_the_fix() -> None:
         index.predict("w", HASHES, ttl_s=0.0)
 
 
-def test_match_stops_early_and_is_fast_for_a_128k_prompt_on_64_workers() -> None:
-    import time
-
+def test_a_128k_prompt_on_64_workers_matches_each_workers_resident_prefix() -> None:
+    """Each worker holds a different prefix of one 2,000-block prompt (its window tail
+    resident): every hit is that prefix, window ok. (Speed is the route bench's business,
+    `beamserve bench route`, not a timed assert here.)"""
     rng = random.Random(3)
     prompt = [rng.getrandbits(64) for _ in range(2000)]
     index = PrefixIndex()
+    held = {}
     for w in range(64):
-        n = rng.randrange(0, 2001)
+        n = held[f"w{w}"] = rng.randrange(0, 2001)
         index.apply(f"w{w}", batch(stored(prompt[:n], 0), stored(prompt[max(0, n - 8) : n], 1)))
-    index.match(prompt, block_size=64, sliding_window=512)
-    start = time.perf_counter()
-    for _ in range(20):
-        hits = index.match(prompt, block_size=64, sliding_window=512)
-    per_match = (time.perf_counter() - start) / 20
+    hits = index.match(prompt, block_size=64, sliding_window=512)
+    assert {w: h.full_blocks for w, h in hits.items()} == held
     assert all(h.window_ok for h in hits.values() if h.full_blocks)
-    assert per_match < 0.005  # ~0.3 ms measured; loose for a shared 2-core machine
 
 
 def test_stats_and_memory_estimate_track_entries() -> None:

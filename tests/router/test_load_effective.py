@@ -122,6 +122,84 @@ def test_every_replica_sees_the_whole_engine_not_its_share(
         assert (q, r) == (scraped.queue_len, scraped.running)
 
 
+@given(books, scrapes, books, st.floats(0, STALE), means, means, st.floats(1, 64))
+def test_the_herd_term_never_goes_below_the_own_book(
+    own: BookCounts,
+    scraped: ScrapedCounts,
+    at: BookCounts,
+    age: float,
+    p: float,
+    c: float,
+    k: float,
+) -> None:
+    e = effective_load(
+        own, scraped, at, age, stale_after_s=STALE, prefill_per_request=p, context_per_request=c,
+        replicas=k,
+    )  # fmt: skip
+    assert e.prefill_tokens == own.prefill_tokens + e.foreign_prefill_tokens
+    assert e.decode_tokens == own.decode_tokens + e.foreign_decode_tokens
+    assert min(e.foreign_prefill_tokens, e.foreign_decode_tokens, e.queue_len, e.running) >= 0
+
+
+@given(
+    st.integers(2, 8),
+    st.tuples(counts, counts),
+    st.integers(1, 50_000),
+    st.integers(1, 200_000),
+    st.integers(-8, 8),
+    st.integers(-8, 8),
+    st.floats(0, STALE),
+)
+def test_the_herd_term_tracks_replicas_that_all_do_what_this_one_does(
+    n: int, share: tuple[int, int], t: int, ctx: int, dp: int, dd: int, age: float
+) -> None:
+    """N replicas with the same book on one worker, which reports their sum; since the scrape
+    each booked (dp > 0) or finished (dp < 0) the same requests. With k = N every replica's
+    effective load is the worker's true load now; with k = 1 only its own change shows."""
+    n_p, n_d = share
+    dp, dd = max(dp, -n_p), max(dd, -n_d)
+    at = BookCounts(n_p * t, n_d * ctx, n_p, n_d)
+    now = BookCounts((n_p + dp) * t, (n_d + dd) * ctx, n_p + dp, n_d + dd)
+    scraped = ScrapedCounts(n * n_p, n * n_d, 0.0, n * n_p * t)
+    kw = {"stale_after_s": STALE, "prefill_per_request": t, "context_per_request": ctx}
+    e = effective_load(now, scraped, at, age, replicas=float(n), **kw)
+    assert e.prefill_tokens == n * now.prefill_tokens
+    assert e.decode_tokens == n * now.decode_tokens
+    assert (e.queue_len, e.running) == (n * now.prefilling, n * now.decoding)
+    one = effective_load(now, scraped, at, age, **kw)
+    assert one.prefill_tokens == (n - 1) * at.prefill_tokens + now.prefill_tokens
+
+
+def test_the_book_learns_the_replica_count_from_its_scrapes() -> None:
+    """Engine requests = N × this replica's at every scrape → `replicas` approaches N; one
+    replica (the engine's requests are all its own) stays at 1; too few requests: unchanged."""
+    on = LoadParams(extrapolate=True)
+    for n in (1, 4):
+        book = LoadBook(clock=lambda: 0.0, params=on)
+        flights = [book.start(f"w{i % 2}", 100, 1000) for i in range(6)]
+        assert book.replicas == 1.0
+        for _ in range(30):
+            for w in ("w0", "w1"):
+                book.scraped(w, {"sglang:num_queue_reqs": 3 * n, "sglang:num_running_reqs": 0})
+        assert abs(book.replicas - n) < 0.05
+        for f in flights:
+            book.finish(f)
+        if n == 4:  # the load it now reports for a new booking counts the herd
+            book.scraped("w0", {"sglang:num_queue_reqs": 0, "sglang:num_running_reqs": 0})
+            book.start("w0", 1000, 2000)
+            got = book.load("w0")
+            assert got.foreign_prefill_tokens == round((book.replicas - 1) * 1000)
+    few = LoadBook(clock=lambda: 0.0, params=on)
+    few.start("w0", 100, 1000)
+    few.scraped("w0", {"sglang:num_queue_reqs": 40, "sglang:num_running_reqs": 0})
+    assert few.replicas == 1.0
+    off = LoadBook(clock=lambda: 0.0)  # the default: no herd term
+    off.replicas = 4.0
+    off.scraped("w0", {"sglang:num_queue_reqs": 0, "sglang:num_running_reqs": 0})
+    off.start("w0", 1000, 2000)
+    assert off.load("w0").foreign_prefill_tokens == 0
+
+
 @given(books, scrapes, st.floats(0, STALE), means, means, tokens)
 def test_the_next_scrape_does_not_count_own_work_twice(
     at: BookCounts, scraped: ScrapedCounts, age: float, p: float, c: float, x: int

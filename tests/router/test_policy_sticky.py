@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from beamserve.router.policy import (
     NoCandidates,
@@ -18,7 +20,10 @@ from hypothesis import strategies as st
 from tests.router._policy_views import request, view
 
 RATE = 10000.0  # tokens/s: easy seconds
-PARAMS = StickyParams(prefill_tok_s=RATE, decode_interference=0.0, margin_s=1.0, margin_ratio=1.5)
+# No tie window here: these tests price estimates to the token (the window has its own test).
+PARAMS = StickyParams(
+    prefill_tok_s=RATE, decode_interference=0.0, margin_s=1.0, margin_ratio=1.5, tie_window_s=0.0
+)
 
 
 def policy() -> StickyUntilSaturated:
@@ -163,3 +168,29 @@ def test_sticky_leaves_iff_margins_exceeded(
     else:
         assert d.decode.id == "warm" and d.reason == "sticky"
     assert pol.route(req, list(reversed(views))).decode.id == d.decode.id  # deterministic
+
+
+def test_near_equal_workers_are_tied_within_the_window_so_simultaneous_picks_spread() -> None:
+    # Four idle-ish workers whose estimates differ by ≤ 50 ms (500 tokens at 10K tok/s): with
+    # a 0.1 s window they are tied and the request id picks, so a burst of new requests
+    # decided on one view (several replicas at once) spreads; with no window (the default)
+    # every request takes the one lowest estimate.
+    views = [view(w, prefill=p) for w, p in (("a", 0), ("b", 200), ("c", 350), ("d", 500))]
+    assert StickyParams().tie_window_s == 0.0
+    spread = StickyUntilSaturated(params=PARAMS.model_copy(update={"tie_window_s": 0.1}))
+    exact = StickyUntilSaturated(params=PARAMS)
+
+    def picks(p: StickyUntilSaturated, vs: list) -> set[str]:  # type: ignore[type-arg]
+        return {
+            p.route(replace(request(4096, rid=f"r{i}", session=None), router_peers=3), vs).decode.id
+            for i in range(40)
+        }
+
+    assert picks(spread, views) == {"a", "b", "c", "d"}
+    # a router alone decides one request after the other: no spreading needed, none done
+    assert {
+        spread.route(request(4096, rid=f"r{i}", session=None), views).decode.id for i in range(40)
+    } == {"a"}
+    assert picks(exact, views) == {"a"}
+    # outside the window the cheapest wins whatever the id
+    assert picks(spread, [view("a", prefill=0), view("b", prefill=2000)]) == {"a"}  # 0.2 s apart

@@ -28,6 +28,19 @@ def turn(router: WorkerProc, sid: str, text: str, earlier: str | None = None) ->
     return r
 
 
+def peers_settled(router: WorkerProc, within_s: float = 10.0) -> None:
+    """Wait until `router` hears its one peer and none of the peer's requests is still booked
+    (the peer's last completion has reached it: least-load breaks exact ties by session, so a
+    booking in flight would move a tie)."""
+    deadline = time.monotonic() + within_s
+    while not (
+        metric(router.url, "beamserve_router_replica_sync_peers") == 1
+        and metric(router.url, "beamserve_router_worker_peer_in_flight") == 0
+    ):
+        assert time.monotonic() < deadline, "the peer's bookings did not settle"
+        time.sleep(0.05)
+
+
 def test_sessions_follow_their_worker_across_router_replicas(
     spawn_worker: SpawnWorker,
     redis_server: RedisServer,  # noqa: F811
@@ -41,6 +54,7 @@ def test_sessions_follow_their_worker_across_router_replicas(
     sessions = [f"shared-{i}" for i in range(6)]
     first = {sid: route_of(turn(a, sid, f"opening of {sid}").headers)["decode"] for sid in sessions}
     assert len(set(first.values())) > 1  # least-load spread them
+    peers_settled(b)
     for sid in sessions:
         # replica B knows the session only from the store: its warm worker, and (a record plus
         # an earlier turn in the body) the continuing band
@@ -48,6 +62,8 @@ def test_sessions_follow_their_worker_across_router_replicas(
         assert again["decode"] == first[sid], (sid, again)
         assert again["band"] == "continuing"
 
+    peers_settled(a)
+    assert metric(a.url, "beamserve_router_replica_sync_messages_total", direction="received") > 0
     # Redis dies: both replicas keep serving, from what they know locally
     redis_server.kill()
     t0 = time.monotonic()
@@ -55,6 +71,7 @@ def test_sessions_follow_their_worker_across_router_replicas(
         assert route_of(turn(a, sid, "during the outage").headers)["decode"] == first[sid]
     assert time.monotonic() - t0 < 10
     assert metric(a.url, "beamserve_router_session_store_degraded") == 1
+    assert metric(a.url, "beamserve_router_replica_sync_peers") == 0  # forgotten with Redis
     # Redis returns (empty): the replicas recover and re-sync what they wrote meanwhile
     redis_server.restart()
     deadline = time.monotonic() + 15

@@ -25,7 +25,7 @@ free_port = _rs.free_port
 
 T = TypeVar("T")
 
-OP_TIMEOUT = 0.05
+OP_TIMEOUT = 0.25  # the default (`beamserve.router.sessions.OP_TIMEOUT_S`): loop lag counts
 RETRY_AFTER = 0.2
 # One operation's wall-time budget while Redis is down: the timeout plus scheduling slack on a
 # shared 2-core test machine.

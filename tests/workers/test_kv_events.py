@@ -9,9 +9,10 @@ SGLang 0.5.23 ``sglang/srt/disaggregation/kv_events.py`` loaded from the wheels 
 few package imports stubbed; their msgspec structs encoded the payloads, and their real
 ``ZmqEventPublisher`` ran on loopback to record live frames and a replay transcript.
 
-Set BEAMSERVE_ENGINE_SRC to a folder holding ``vllm/distributed/kv_events.py`` and
-``sglang/srt/disaggregation/kv_events.py`` (unzipped from the wheels) to also decode
-hypothesis-generated payloads with the engines' own ``msgspec`` decoders.
+Hypothesis-generated payloads are also decoded with the engines' own ``msgspec`` decoders, read
+from the launchers' contract venvs (``.venv-vllm``, ``.venv-sglang``; ``make install`` builds
+both) or from BEAMSERVE_ENGINE_SRC, a folder holding ``vllm/distributed/kv_events.py`` and
+``sglang/srt/disaggregation/kv_events.py`` (unzipped from the wheels).
 """
 
 from __future__ import annotations
@@ -759,9 +760,28 @@ def test_sglang_round_trip(batch: KVEventBatch) -> None:
 # --- optional: the engines' own msgspec decoders ---------------------------------------------
 
 ENGINE_SRC = os.environ.get("BEAMSERVE_ENGINE_SRC")
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_FILES = {
+    "vllm": ("vllm/distributed/kv_events.py", ".venv-vllm"),
+    "sglang": ("sglang/srt/disaggregation/kv_events.py", ".venv-sglang"),
+}
 
 
-def _load_engine_module(kind: str) -> types.ModuleType:
+def _engine_root(tmp: Path) -> Path | None:
+    """A folder laid out as the wheels are: BEAMSERVE_ENGINE_SRC, else the two engines'
+    kv_events.py linked from the contract venvs that ``make install`` builds."""
+    if ENGINE_SRC:
+        return Path(ENGINE_SRC)
+    for rel, venv in ENGINE_FILES.values():
+        found = sorted((REPO / venv).glob(f"lib/python3*/site-packages/{rel}"))
+        if not found:
+            return None
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to(found[0])
+    return tmp
+
+
+def _load_engine_module(kind: str, root: Path) -> types.ModuleType:
     """Load the engines' kv_events.py with their package imports stubbed, exactly as the
     golden script does (it is imported here, not copied)."""
     script = Path(__file__).parent / "golden" / "make_kv_goldens.py"
@@ -770,7 +790,6 @@ def _load_engine_module(kind: str) -> types.ModuleType:
     gold = importlib.util.module_from_spec(spec)
     sys.modules["make_kv_goldens"] = gold
     spec.loader.exec_module(gold)
-    root = Path(ENGINE_SRC or "")
     mod: types.ModuleType = (
         gold.load_vllm_kv_events(root) if kind == "vllm" else gold.load_sglang_kv_events(root)
     )
@@ -778,13 +797,15 @@ def _load_engine_module(kind: str) -> types.ModuleType:
 
 
 @pytest.fixture(scope="module")
-def engine_modules() -> dict[str, types.ModuleType]:
-    if not ENGINE_SRC:
-        pytest.skip("set BEAMSERVE_ENGINE_SRC to the unzipped vLLM/SGLang kv_events.py")
-    pytest.importorskip("msgspec")
+def engine_modules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, types.ModuleType]:
+    root = _engine_root(tmp_path_factory.mktemp("engine-src"))
+    if root is None:
+        # Right only outside `make test`: `make install` (which `make test` runs first) builds
+        # both contract venvs, so a plain `make test` never takes this branch.
+        pytest.skip("no .venv-vllm/.venv-sglang (make install) and no BEAMSERVE_ENGINE_SRC")
     saved = dict(sys.modules)
     try:
-        return {"vllm": _load_engine_module("vllm"), "sglang": _load_engine_module("sglang")}
+        return {k: _load_engine_module(k, root) for k in ("vllm", "sglang")}
     finally:
         # Drop the stub packages (vllm, sglang, …) so nothing else sees them.
         for name in set(sys.modules) - set(saved):

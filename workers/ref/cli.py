@@ -56,7 +56,7 @@ def add_check_disagg(check_sub: Any) -> None:
         metavar="P:D,...",
         help=f"prefill:decode TP pairs (default: {DEFAULT_PAIRS})",
     )
-    dis.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl")
+    dis.add_argument("--backend", choices=("nixl", "mooncake", "cma"), default="nixl")
     dis.add_argument(
         "--prompts", type=positive_int, default=3, help="prompts (default: %(default)s)"
     )

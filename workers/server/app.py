@@ -69,13 +69,17 @@ def kv_geometry_report(page_size: int, info: dict[str, Any]) -> dict[str, Any]:
     extra fields of its `/v1/models` entry and of `/server_info`: the block size it caches and
     hashes in, the sliding window it runs (the checkpoint's config.json), the hash chain of
     its block hashes and its KV-event wire format (vLLM's, whatever its HTTP surface: the
-    engines hash and publish as vLLM does)."""
+    engines hash and publish as vLLM does), and whether it caches prefixes at all."""
     out: dict[str, Any] = {"block_size": page_size}
     window = info.get("sliding_window")
     if isinstance(window, int) and not isinstance(window, bool) and window >= 0:
         out["sliding_window"] = window
     out["kv_hash_scheme"] = "vllm"
     out["kv_event_format"] = "vllm"
+    if isinstance(info.get("prefix_caching"), bool):
+        # Whether it keeps prompts' KV for later requests (a ref decode worker does not): a
+        # router must not count on a prefix there, whatever it sent it before.
+        out["prefix_caching"] = info["prefix_caching"]
     return out
 
 

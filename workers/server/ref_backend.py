@@ -254,6 +254,9 @@ class RefBackend:
         return {
             "engine": "ref",
             "tp_size": self.tp_size,
+            # prefill and both keep a prefix cache (PrefillWorker); decode rebuilds each
+            # request's KV from what it pulls and keeps none of it
+            "prefix_caching": self.role != "decode",
             "page_size": self.page_size,
             "sliding_window": window_of_config(self.model_dir),
             "max_total_num_tokens": self._pool.full_pages * self.page_size,

@@ -293,6 +293,7 @@ class SimBackend:
         return {
             "engine": "sim",
             "profile": self._profile.name,
+            "prefix_caching": bool(cfg.enable_prefix_cache),
             "engine_id": self.engine_id,
             "tp_size": self.tp_size,
             "page_size": cfg.page_size,

@@ -1,0 +1,215 @@
+"""One-pass copies of many runs on the GPU: a Triton kernel, one launch for a whole read.
+
+`copy_runs` on VRAM used to group a read's runs by length and move each group through
+`index_select` into a temporary and `index_copy_` out of it: four passes over the bytes
+(gather read and write, scatter read and write) plus one index upload and two kernels per
+length class. The kernel here reads every run where it lies and writes it where it goes, so the
+bytes cross the memory bus once each way, as in one `cudaMemcpy` of the same total:
+
+* The host packs the runs into one ``(pieces, 3)`` int64 table — source offset, destination
+  offset, length, in *elements* of the widest type that divides every offset and length
+  (`element_bytes`: 8-byte words for KV pages, bytes in the worst case) — splitting runs longer
+  than `PIECE_BYTES` so that no program copies much more than any other (`pack_pieces`, pure
+  numpy, tested on the CPU). One upload, one launch.
+* Program ``i`` copies piece ``i`` in ``STEPS`` unrolled steps of ``BLOCK`` elements (16 KiB),
+  masked at its end; ``STEPS`` is the longest piece's (at most ``PIECE_BYTES / BLOCK_BYTES`` = 4),
+  so the common plan of equal page runs compiles to one step. ``ALIGN`` tells
+  the compiler that offsets and lengths are multiples of two words (16 bytes) where they are,
+  so loads and stores are 16-byte vectors.
+
+Engine choice (`engine()`): ``BEAMSERVE_KV_COPY=triton|torch|auto`` (default ``auto``: Triton
+where it imports and its first launch succeeds, else the torch path). The choice is made once
+per process and logged, and `copy_runs` reports which engine ran (`last_engine`), so a benchmark
+says what it measured.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+log = structlog.get_logger(__name__)
+
+I64 = npt.NDArray[np.int64]
+
+PIECE_BYTES = 64 << 10  # the most one program copies (longer runs are split)
+BLOCK_BYTES = 16 << 10  # bytes one program moves per loop step
+ENGINES = ("auto", "triton", "torch")
+
+_state: dict[str, Any] = {}
+
+
+def _gcd(*arrays: I64) -> int:
+    g = 0
+    for a in arrays:
+        if len(a):
+            g = int(np.gcd(g, np.gcd.reduce(a)))
+    return g
+
+
+def _width(g: int) -> int:
+    for e in (8, 4, 2):
+        if g % e == 0:
+            return e
+    return 1
+
+
+def element_bytes(*arrays: I64) -> int:
+    """The widest of 8, 4, 2, 1 bytes dividing every value of `arrays`."""
+    return _width(_gcd(*arrays))
+
+
+def pack_pieces(
+    src_off: I64, dst_off: I64, lengths: I64, elem: int, piece_bytes: int = PIECE_BYTES
+) -> I64:
+    """Runs as a C-contiguous ``(pieces, 3)`` table of (source, destination, length) in units of
+    `elem` bytes, each run longer than `piece_bytes` split into pieces of at most that many bytes
+    (in order). Every offset and length must be a multiple of `elem`; `piece_bytes` is rounded
+    down to one."""
+    piece = max(elem, piece_bytes - piece_bytes % elem) // elem
+    so, do, n = src_off // elem, dst_off // elem, lengths // elem
+    if not len(n) or int(n.max()) <= piece:
+        return np.ascontiguousarray(np.stack((so, do, n), axis=1), dtype=np.int64)
+    k = -(-n // piece)  # pieces per run (ceil); runs of length 0 keep one empty piece
+    k = np.maximum(k, 1)
+    rep = np.repeat(np.arange(len(n), dtype=np.int64), k)
+    first = np.cumsum(k) - k
+    within = (np.arange(len(rep), dtype=np.int64) - np.repeat(first, k)) * piece
+    out = np.empty((len(rep), 3), dtype=np.int64)
+    out[:, 0] = so[rep] + within
+    out[:, 1] = do[rep] + within
+    out[:, 2] = np.minimum(n[rep] - within, piece)
+    return out
+
+
+def configured_engine() -> str:
+    value = os.environ.get("BEAMSERVE_KV_COPY", "auto").strip().lower() or "auto"
+    if value not in ENGINES:
+        raise ValueError(f"BEAMSERVE_KV_COPY: {value!r} unsupported; choose one of {list(ENGINES)}")
+    return value
+
+
+def _kernel() -> Any:
+    """The Triton kernel (compiled per element type and alignment on first launch)."""
+    if "kernel" in _state:
+        return _state["kernel"]
+    import triton  # type: ignore[import-not-found, unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+
+    @triton.jit  # type: ignore[misc, untyped-decorator, unused-ignore]
+    def copy_pieces(  # type: ignore[no-untyped-def]
+        src, dst, table, ALIGN: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+        HINTS: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0).to(tl.int64)
+        so = tl.load(table + 3 * i)
+        do = tl.load(table + 3 * i + 1)
+        n = tl.load(table + 3 * i + 2)
+        if HINTS:
+            so = tl.multiple_of(so, ALIGN)
+            do = tl.multiple_of(do, ALIGN)
+            n = tl.multiple_of(n, ALIGN)
+        for j in tl.static_range(STEPS):
+            k = j * BLOCK + tl.arange(0, BLOCK)
+            m = k < n
+            tl.store(dst + do + k, tl.load(src + so + k, mask=m), mask=m)
+
+    _state["kernel"] = copy_pieces
+    return copy_pieces
+
+
+_TORCH_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+def triton_copy_runs(src: Any, dst: Any, src_off: I64, dst_off: I64, lengths: I64) -> None:
+    """dst[dst_off[i]:+lengths[i]] = src[src_off[i]:+lengths[i]] for flat uint8 tensors `src`
+    and `dst` (CUDA, or CPU under ``TRITON_INTERPRET=1``), one launch on the current stream."""
+    import torch
+
+    if not len(lengths):
+        return
+    g = _gcd(src_off, dst_off, lengths, np.array([src.numel(), dst.numel()], dtype=np.int64))
+    elem = _width(g)
+    table_h = pack_pieces(src_off, dst_off, lengths, elem)
+    dtype = getattr(torch, _TORCH_DTYPES[elem])
+    table = torch.from_numpy(table_h).to(dst.device, non_blocking=False)
+    block = BLOCK_BYTES // elem
+    steps = -(-int(table_h[:, 2].max()) // block)
+    # Pieces split at PIECE_BYTES (a multiple of 16) keep the runs' 16-byte alignment.
+    align = 2 if elem == 8 and g % 16 == 0 else 1
+    _launch(src.view(dtype), dst.view(dtype), table, align, block, max(steps, 1))
+
+
+def _launch(src: Any, dst: Any, table: Any, align: int, block: int, steps: int) -> None:
+    hints = bool(_state.get("hints", True))
+    _kernel()[(int(table.shape[0]),)](
+        src, dst, table, ALIGN=align, BLOCK=block, STEPS=steps, HINTS=hints, num_warps=8
+    )
+
+
+def engine() -> str:
+    """The engine `copy_runs` uses on VRAM in this process: "triton" or "torch"."""
+    chosen = _state.get("engine")
+    if chosen is not None:
+        return str(chosen)
+    want = configured_engine()
+    chosen = "torch"
+    if want != "torch":
+        try:
+            try:
+                _probe()
+            except ImportError:
+                raise
+            except Exception as exc:  # the alignment hints refused by this Triton: without
+                log.warning("kv_copy_triton_hints_off", error=repr(exc))
+                _state["hints"] = False
+                _probe()
+            chosen = "triton"
+        except Exception as exc:  # no triton, no compiler, an unsupported GPU
+            if want == "triton":
+                raise RuntimeError(
+                    f"BEAMSERVE_KV_COPY=triton, but the Triton copy kernel failed: {exc!r}; "
+                    "install triton or set BEAMSERVE_KV_COPY=torch"
+                ) from exc
+            log.warning("kv_copy_triton_unavailable", error=repr(exc), engine="torch")
+    _state["engine"] = chosen
+    log.info("kv_copy_engine", engine=chosen, hints=bool(_state.get("hints", True)))
+    return chosen
+
+
+def _probe() -> None:
+    """Compile the common variant (8-byte words, 16-byte aligned) and check one launch."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.arange(4096, dtype=torch.uint8, device=dev)
+    dst = torch.zeros(4096, dtype=torch.uint8, device=dev)
+    so = np.array([0, 1024], dtype=np.int64)
+    do = np.array([2048, 0], dtype=np.int64)
+    n = np.array([1024, 2048], dtype=np.int64)
+    triton_copy_runs(src, dst, so, do, n)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    got, want = dst.cpu().numpy(), np.zeros(4096, dtype=np.uint8)
+    s = np.arange(4096, dtype=np.uint8)
+    want[2048:3072], want[0:2048] = s[0:1024], s[1024:3072]
+    if not np.array_equal(got, want):
+        raise RuntimeError("the Triton copy kernel wrote wrong bytes in its self-check")
+    if dev == "cuda":
+        # Compile every unrolled length of the common variant now (page runs: 8-byte words,
+        # 16-byte aligned), so no timed read pays a first-launch compile.
+        words = torch.zeros(4 * BLOCK_BYTES // 8, dtype=torch.int64, device=dev)
+        table = torch.zeros((1, 3), dtype=torch.int64, device=dev)
+        for steps in range(1, PIECE_BYTES // BLOCK_BYTES + 1):
+            _launch(words, words, table, 2, BLOCK_BYTES // 8, steps)
+        torch.cuda.synchronize()
+
+
+def reset() -> None:
+    """Forget the engine choice (tests)."""
+    _state.pop("engine", None)
+    _state.pop("hints", None)

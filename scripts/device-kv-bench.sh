@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# KV transfer on the GPU device machine: GPU tests, then the VRAM benchmark matrix.
+#
+#   scripts/device-kv-bench.sh smoke|full|plan|kernel|tests   (run by the `run` tool, repo root)
+#
+# `kernel` (≈ 3 min): 8:4 at 80K bf16 by every path with the one-launch Triton copy, then the
+# same direct pull with BEAMSERVE_KV_COPY=torch (the copy engine before it, same machine), then
+# the device-copy GPU tests.
+#
+# `plan` (≈ 6 min): bench kv-plan on the device's CPU, then the bf16 80K matrix (8:4 and 4:8
+# first, then 8:8 and 1:1; three paths), then the GPU tests. A CPU dry run here:
+#   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=nixl KV_TOKENS=2048 \
+#     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh plan
+#
+# Nothing is installed there and nothing can be fetched: the image has torch (CUDA), numpy,
+# pytest, hypothesis, rich and httpx; .devsite-kv/site.tar.xz (made here by
+# scripts/device-kv-site.sh, carried with the call) adds fastapi, uvicorn, pydantic and a trimmed
+# nixl-cu12 1.5.1 for cp312. beamserve runs from this tree through a symlinked package root
+# (never `python -m` from the repo root: ./operator shadows the stdlib). JSON and logs go to $OUT.
+set -uo pipefail
+MODE=${1:-smoke}
+REPO=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PY:-python3}
+case "$PY" in /*) ;; */*) PY=$PWD/$PY ;; esac
+MEM=${KV_MEMORY:-vram}
+TOK=${KV_TOKENS:-81920}
+BACK=${KV_BACKEND:-cuda_ipc}
+if [ "${KV_SITE:-1}" = 1 ] && [ -f .devsite-kv/site.tar.xz ]; then
+  tar -xJf .devsite-kv/site.tar.xz -C /tmp || exit 3
+fi
+rm -rf /tmp/bs && mkdir -p /tmp/bs/beamserve
+for f in "$REPO"/src/beamserve/*; do ln -s "$f" /tmp/bs/beamserve/; done
+for d in kv_transfer kvwire workers router operator; do ln -s "$REPO/$d" /tmp/bs/beamserve/$d; done
+if [ "${KV_SITE:-1}" = 1 ]; then export PYTHONPATH=/tmp/site-kv:/tmp/bs; else export PYTHONPATH=/tmp/bs; fi
+cd /tmp || exit 3
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
+  $PY -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'numpy', numpy.__version__)";
+  $PY -c "import nixl_cu12._api as a; print('nixl ok')" 2>&1 | tail -2;
+  nproc; } 2>&1 | tee "$OUT/env.txt"
+BS="$PY $REPO/scripts/device-beamserve.py"
+bench() { # name, extra args...
+  local name=$1; shift
+  $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "${PLOTS:-$OUT}/$name.png" "$@" 2>&1 \
+    | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee "$OUT/$name.log" | tail -40
+}
+case "$MODE" in
+  tests)
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s \
+      "$REPO/tests/kv_transfer/test_gpu.py" "$REPO/tests/kv_transfer/test_staging.py" 2>&1 \
+      | tee "$OUT/gpu-tests.log" | tail -40 ;;
+  smoke)
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -x \
+      "$REPO/tests/kv_transfer/test_gpu.py" 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
+    bench smoke --backend cuda_ipc nixl --tokens 8192 --pairs 8:4 --path direct staged auto ;;
+  plan)  # the planner on this CPU, the bf16 80K matrix (most wanted pairs first), GPU tests
+    PLOTS=/tmp  # 8 files come back at most: JSON and logs (plot from the JSON afterwards)
+    $BS bench kv-plan --pairs 8:4 4:8 8:8 1:1 --kv-dtype bf16 fp8_e4m3 --repeats 30 \
+      --json "$OUT/kv-plan.json" 2>&1 | tee "$OUT/kv-plan.log" | grep -E '│|goal'
+    bench kv-transfer-a --backend "$BACK" --tokens "$TOK" --pairs 8:4 4:8 --path direct staged auto
+    bench kv-transfer-b --backend "$BACK" --tokens "$TOK" --pairs 8:8 1:1 --path direct staged auto
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+      "$REPO/tests/kv_transfer/test_gpu.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | tail -8 ;;
+  kernel)  # the Triton copy kernel against the torch copies it replaces, then its GPU tests
+    PLOTS=/tmp
+    bench kv-transfer-kernel --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path direct staged auto
+    BEAMSERVE_KV_COPY=torch bench kv-transfer-kernel-torch --backend "$BACK" --tokens "$TOK" \
+      --pairs 8:4 --path direct
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+      "$REPO/tests/kv_transfer/test_gpu.py" -k "copy_runs or (cuda_ipc and 8) or kernel or piece" \
+      "$REPO/tests/kv_transfer/test_kernels.py" 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -v CudaIPCTypes | tail -8 ;;
+  full)  # the GPU tests, then the matrix: 80K tokens, 4 pairs, bf16 and fp8, 3 paths
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+      "$REPO/tests/kv_transfer/test_gpu.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | tail -15
+    for dtype in bf16 fp8_e4m3; do
+      bench "kv-transfer-h200-$dtype" --backend cuda_ipc ${NIXL:+nixl} --kv-dtype "$dtype" \
+        --tokens 81920 --pairs 8:4 4:8 8:8 1:1 --path direct staged auto
+    done ;;
+esac
+ls -la "$OUT"
