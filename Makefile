@@ -120,8 +120,9 @@ test-interop: install aiperf
 	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib tests/test_interop_sdk.py \
 	    tests/test_interop_loadgen.py $(PYTEST_ARGS)
 
-# A real kube-apiserver + kube-controller-manager 1.20.2 built from Debian's `kubernetes` source
-# package (≈7 min once; cached in ~/.cache/beamserve/k8s-1.20.2, outside the repository).
+# A real Kubernetes 1.20.2 built from Debian's `kubernetes` source package: kube-apiserver and
+# kube-controller-manager for test-k8s, kubelet, kube-scheduler and kube-proxy for test-cluster,
+# in one Go build (≈ 9 min once; cached in ~/.cache/beamserve/k8s-1.20.2, outside the repository).
 k8s-testenv:
 	scripts/k8s-testenv.sh
 
@@ -129,8 +130,7 @@ test-k8s: install k8s-testenv
 	$(VENV)/bin/pytest -q -p no:cacheprovider --import-mode=importlib -m k8s $(PYTEST_ARGS)
 
 # The real-cluster tier (tests/cluster, marker `cluster`; docs/kubernetes.md "Real cluster
-# tier"): kubelet, kube-scheduler and kube-proxy 1.20.2 from the same Debian source (cached next
-# to k8s-testenv's), containerd, runc, Debian's CNI plugins, and the images of images/ built
+# tier"): kubelet, kube-scheduler and kube-proxy 1.20.2 (built by k8s-testenv), containerd, runc, Debian's CNI plugins, and the images of images/ built
 # offline by scripts/build-image.sh (cached in ~/.cache/beamserve/images). Needs root.
 DEBS_CLUSTER := containerd runc containernetworking-plugins mmdebstrap iptables golang-go
 debs-cluster:
@@ -146,7 +146,6 @@ images: install debs-cluster
 	scripts/build-image.sh beamserve-ref
 
 cluster-env: debs-cluster k8s-testenv
-	scripts/k8s-cluster-build.sh
 	scripts/build-image.sh pause
 	scripts/build-image.sh beamserve
 

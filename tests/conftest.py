@@ -110,3 +110,28 @@ def spawn_worker() -> Iterator[SpawnWorker]:
     yield spawn
     for w in procs:
         w.stop()
+
+
+# How long the interpreter may take to exit once the session has ended (atexit hooks, thread
+# joins) before the watchdog below gives up on it.
+EXIT_GRACE_S = 120.0
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A suite that hangs on its way out (a thread or child process that never ends) fails fast.
+
+    Python's shutdown joins every non-daemon thread (executors included) and multiprocessing's
+    children; one that never ends keeps the process alive after pytest's summary, until CI's own
+    limit kills it, with nothing in the log to say why. Name the lingering ones now, and arm
+    faulthandler: if the process is still alive `EXIT_GRACE_S` later, every thread's stack goes
+    to stderr and the process exits with status 1.
+    """
+    import faulthandler
+    import threading
+
+    lingering = [
+        t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+    ]
+    if lingering:
+        sys.stderr.write(f"conftest: non-daemon threads alive at exit: {', '.join(lingering)}\n")
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)

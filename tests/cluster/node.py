@@ -16,7 +16,7 @@
 
 Nothing listens outside the namespace and nothing in it is routed out (the namespace has no
 interface but `lo` and the bridge). Clients run inside it: `run(argv)` (nsenter), `kubectl(…)`.
-The binaries are the ones `scripts/k8s-cluster-build.sh` caches; images come from
+The binaries are the ones `scripts/k8s-testenv.sh` caches; images come from
 `scripts/build-image.sh` (imported once into a containerd root kept in the cache, so a warm run
 imports nothing). `stop()` kills what it started by PID (and the containers' shims, found by
 this cluster's containerd socket); containerd's and the kubelet's mounts live in a private mount
@@ -53,7 +53,7 @@ API_PORT = 6443
 # what kubelet 1.20's container manager wants (setupKernelTunables), shown to it in its own
 # mount namespace only (see NodeCluster._mount_namespace)
 KUBELET_SYSCTLS = {"vm.overcommit_memory": 1, "kernel.panic": 10, "kernel.panic_on_oops": 1}
-FIX = "run `make cluster-env` (scripts/k8s-cluster-build.sh, scripts/build-image.sh)"
+FIX = "run `make cluster-env` (scripts/k8s-testenv.sh, scripts/build-image.sh)"
 
 
 class NodeClusterError(RuntimeError):
