@@ -125,6 +125,69 @@ def _kernel() -> Any:
 _TORCH_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
 
 
+def _compact_kernel() -> Any:
+    """The host-local driver's kernel: one launch copies a whole request, every program
+    computing its piece's addresses from the compact plan's table (`compact.KernelTables`)."""
+    if "compact" in _state:
+        return _state["compact"]
+    import triton  # type: ignore[import-not-found, unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+
+    @triton.jit  # type: ignore[misc, untyped-decorator, unused-ignore]
+    def copy_compact(  # type: ignore[no-untyped-def]
+        base, tab, LOG2: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
+        BLOCK: tl.constexpr, STEPS: tl.constexpr, HINTS: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        # The segment: the last row whose first program is ≤ pid (padding rows hold int64 max).
+        k = pid * 0
+        for j in tl.static_range(LOG2):
+            cand = k + (ROWS >> (j + 1))
+            k = tl.where(tl.load(tab + 8 + cand) <= pid, cand, k)
+        start = tl.load(tab + 8 + k)
+        ni = tl.load(tab + 8 + ROWS + k)
+        boff = tl.load(tab + 8 + 2 * ROWS + k)
+        roff = tl.load(tab + 8 + 3 * ROWS + k)
+        s_off = tl.load(tab + 8 + 4 * ROWS + k)
+        d_off = tl.load(tab + 8 + 5 * ROWS + k)
+        local = pid - start
+        b = local // ni
+        i = local - b * ni
+        so = s_off + tl.load(tab + tl.load(tab) + boff + b)
+        so += tl.load(tab + tl.load(tab + 2) + roff + i)
+        do = d_off + tl.load(tab + tl.load(tab + 1) + boff + b)
+        do += tl.load(tab + tl.load(tab + 3) + roff + i)
+        n = tl.load(tab + tl.load(tab + 4) + roff + i)
+        if HINTS:
+            so = tl.multiple_of(so, ALIGN)
+            do = tl.multiple_of(do, ALIGN)
+            n = tl.multiple_of(n, ALIGN)
+        for j in tl.static_range(STEPS):
+            e = j * BLOCK + tl.arange(0, BLOCK)
+            m = e < n
+            tl.store(base + do + e, tl.load(base + so + e, mask=m), mask=m)
+
+    _state["compact"] = copy_compact
+    return copy_compact
+
+
+def launch_compact(
+    base: Any, table: Any, log2: int, elem: int, align: int, steps: int, programs: int
+) -> None:
+    """One launch of the host-local kernel on the current stream: `base` is a flat uint8 CUDA
+    tensor at the bound base address, `table` the bound table on the device (int64)."""
+    import torch
+
+    if programs <= 0:
+        return
+    dtype = getattr(torch, _TORCH_DTYPES[elem])
+    hints = bool(_state.get("hints", True))
+    _compact_kernel()[(programs,)](
+        base.view(dtype), table, LOG2=log2, ROWS=1 << log2, ALIGN=align, BLOCK=BLOCK_BYTES // elem,
+        STEPS=steps, HINTS=hints, num_warps=8,
+    )  # fmt: skip
+
+
 def triton_copy_runs(src: Any, dst: Any, src_off: I64, dst_off: I64, lengths: I64) -> None:
     """dst[dst_off[i]:+lengths[i]] = src[src_off[i]:+lengths[i]] for flat uint8 tensors `src`
     and `dst` (CUDA, or CPU under ``TRITON_INTERPRET=1``), one launch on the current stream."""

@@ -145,17 +145,53 @@ def plan_transfer(
     dst_pages: RequestPages,
 ) -> TransferPlan:
     """Plan the reads that move one request's KV from the `src` pool to the `dst` pool."""
+    pieces = plan_pieces(src, dst, seq_len, src_pages, dst_pages)
+    return assemble_plan(src, dst, seq_len, pieces, src_pages, dst_pages)
+
+
+def assemble_plan(
+    src: PoolLayout,
+    dst: PoolLayout,
+    seq_len: int,
+    pieces: dict[tuple[int, int], list[PlanPiece]],
+    src_pages: RequestPages | None = None,
+    dst_pages: RequestPages | None = None,
+) -> TransferPlan:
+    """Write `plan_pieces`' factors out as each pair's coalesced descriptor arrays."""
+    # One allocation for every pair's arrays (views of it): a fresh 4–5 MB block per plan
+    # faults in as a few huge pages where 24 small ones faulted 4 KiB at a time (≈ 2 ms).
+    keys = sorted(pieces)
+    sizes = [sum(p.size for p in pieces[k]) for k in keys]
+    block = np.empty((3, sum(sizes)), dtype=np.int64)
+    pairs, at = [], 0
+    for (s, d), size in zip(keys, sizes, strict=True):
+        out = block[:, at : at + size]
+        pairs.append(PairDescriptors(s, d, *_assemble(pieces[(s, d)], out[0], out[1], out[2])))
+        at += size
+    return TransferPlan(src, dst, seq_len, tuple(pairs), src_pages, dst_pages)
+
+
+def plan_pieces(
+    src: PoolLayout,
+    dst: PoolLayout,
+    seq_len: int,
+    src_pages: RequestPages,
+    dst_pages: RequestPages,
+) -> dict[tuple[int, int], list[PlanPiece]]:
+    """The plan as factors, per (source rank, destination rank): its pieces (one per layer
+    group, full layers first), each a (layer, K/V) block base plus the block's coalesced
+    runs. `plan_transfer` writes them out as descriptor arrays; `compact.compact_plan` keeps
+    them as they are. Checks the pair, `seq_len` and both page tables (`TransferPlanError`)."""
     check_pair(src, dst)
     if seq_len < 0:
         raise TransferPlanError(f"seq_len: must be ≥ 0, got {seq_len}")
     src_pages.check("src", src, seq_len)
     dst_pages.check("dst", dst, seq_len)
+    pieces: dict[tuple[int, int], list[PlanPiece]] = {}
     if seq_len == 0:
-        return TransferPlan(src, dst, 0, (), src_pages, dst_pages)
-
+        return pieces
     # Pass 1: per (destination rank, layer group, source rank) a piece, held as small factors
     # (its descriptors are their broadcast sums); pass 2 writes each pair's arrays once.
-    pieces: dict[tuple[int, int], list[_Piece]] = {}
     groups = list(_groups(src, seq_len, src_pages, dst_pages))
     if (
         src.topology.layout is KVLayout.HND
@@ -172,17 +208,7 @@ def plan_transfer(
             for group, spages, dpages, tokens in groups:
                 for s, piece in _rank_group_pieces(src, dst, d, group, spages, dpages, tokens):
                     pieces.setdefault((s, d), []).append(piece)
-    # One allocation for every pair's arrays (views of it): a fresh 4–5 MB block per plan
-    # faults in as a few huge pages where 24 small ones faulted 4 KiB at a time (≈ 2 ms).
-    keys = sorted(pieces)
-    sizes = [sum(p.size for p in pieces[k]) for k in keys]
-    block = np.empty((3, sum(sizes)), dtype=np.int64)
-    pairs, at = [], 0
-    for (s, d), size in zip(keys, sizes, strict=True):
-        out = block[:, at : at + size]
-        pairs.append(PairDescriptors(s, d, *_assemble(pieces[(s, d)], out[0], out[1], out[2])))
-        at += size
-    return TransferPlan(src, dst, seq_len, tuple(pairs), src_pages, dst_pages)
+    return pieces
 
 
 _Tokens = tuple[IntArray, IntArray]  # (first slot in page, token count) per logical page
@@ -215,7 +241,7 @@ def _token_spans(logical: IntArray, lo: int, hi: int, P: int) -> _Tokens:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class PlanPiece:
     """One (destination rank, layer group, source rank) run of descriptors, in plan order.
 
     Dense: descriptor (b, i) is `src_b[b] + src_i[i]` (and so on), b over (layer, K/V) blocks,
@@ -282,7 +308,7 @@ class _Piece:
 
 
 def _assemble(
-    parts: list[_Piece], so: IntArray, do: IntArray, n: IntArray
+    parts: list[PlanPiece], so: IntArray, do: IntArray, n: IntArray
 ) -> tuple[IntArray, IntArray, IntArray]:
     """One pair's coalesced descriptor arrays, written once from its pieces' factors into
     `so`/`do`/`n` (sized for the uncoalesced pieces)."""
@@ -308,7 +334,7 @@ def _hnd_pieces(
     spages: IntArray,
     dpages: IntArray,
     tokens: _Tokens,
-) -> Iterator[tuple[int, int, _Piece]]:
+) -> Iterator[tuple[int, int, PlanPiece]]:
     """`_rank_group_pieces` for every destination rank, HND pages, one source rank per head:
     the (pages × heads) offsets are computed once for the group, and each (source, destination)
     piece takes the columns of the heads both own (a contiguous range)."""
@@ -331,7 +357,7 @@ def _hnd_pieces(
         for s in range(dh.start // s_per, (dh.stop - 1) // s_per + 1):
             lo, hi = max(dh.start, s * s_per), min(dh.stop, (s + 1) * s_per)
             w = hi - lo
-            piece = _Piece(
+            piece = PlanPiece(
                 src_b,
                 dst_b,
                 *_coalesce(
@@ -351,13 +377,13 @@ def _rank_group_pieces(
     spages: IntArray,
     dpages: IntArray,
     tokens: _Tokens,
-) -> Iterator[tuple[int, _Piece]]:
+) -> Iterator[tuple[int, PlanPiece]]:
     """Descriptors that destination rank `d` needs for one layer group, split by source rank
     (ascending).
 
     Laid out as (layers, K/V, pages, units) with units innermost, so that heads a source rank
     holds side by side come out adjacent and coalesce. Only arrays of (layers, K/V) and
-    (pages, units) are computed here; the full grid is materialised once, by `_Piece.write`,
+    (pages, units) are computed here; the full grid is materialised once, by `PlanPiece.write`,
     into the pair's output arrays.
     """
     m, st, row = src.model, src.topology, src.row_bytes
@@ -415,7 +441,7 @@ def _rank_group_pieces(
             sel = np.flatnonzero(by_unit == s)
             yield (
                 int(s),
-                _Piece(
+                PlanPiece(
                     src_b,
                     dst_b,
                     *_coalesce(
@@ -434,7 +460,7 @@ def _rank_group_pieces(
     r_all = np.broadcast_to(src_rank[:, :, None, :], shape).reshape(-1)
     for s in np.unique(src_rank):
         sel = r_all == s
-        yield int(s), _Piece(flat=(s_all[sel], d_all[sel], n_all[sel]))
+        yield int(s), PlanPiece(flat=(s_all[sel], d_all[sel], n_all[sel]))
 
 
 def _coalesce(so: IntArray, do: IntArray, n: IntArray) -> tuple[IntArray, IntArray, IntArray]:

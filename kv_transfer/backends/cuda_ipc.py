@@ -7,7 +7,8 @@ is one row-gather kernel per length class (`memory.copy_runs`), not one `cudaMem
 descriptor (which is how UCX's cuda_ipc transport serves NIXL's VRAM descriptors, and what the
 `nixl` backend on VRAM measures). A read finishes with a CUDA event that `poll` queries.
 
-The metadata blob is JSON (no pickle crosses the wire): the handle's fields, base64 where binary.
+The metadata blob is JSON (no pickle crosses the wire): the handle's fields, base64 where binary,
+and the owner (boot id, pid, pid namespace) that `host_local` checks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def export_handle(tensor: Any) -> bytes:
     enc = [
         {"b": base64.b64encode(f).decode()} if isinstance(f, bytes) else {"v": f} for f in fields
     ]
-    return json.dumps({"fields": enc, "nbytes": int(tensor.numel())}).encode()
+    from beamserve.kv_transfer.host_local import host_identity
+
+    # The owner (host, pid) lets a host-local driver tell a peer on this host, and a gone one.
+    doc = {"fields": enc, "nbytes": int(tensor.numel()), "owner": host_identity()}
+    return json.dumps(doc).encode()
 
 
 def open_handle(blob: bytes) -> Any:

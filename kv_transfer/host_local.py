@@ -1,0 +1,369 @@
+"""The host-local driver: one process copies a whole request, one kernel launch, on one GPU.
+
+Where every prefill rank and every decode rank of a transfer keep their KV on the same GPU of
+one host (one GPU shared by both pools, as on the H200 test machine), the direct path's cost
+is not the copy: the client hands each decode rank process its ≈ 47K descriptors through a pipe
+and waits for all of them, each builds and uploads its own table, and the processes take turns
+on the GPU. Here one process (decode rank 0 in a `RankGroup`) maps every source and every
+destination region once through CUDA IPC (`connect`, kept across requests), and a request is:
+
+    decode client:  compact_plan → kernel_tables          (the plan, ≈ 260 KB at 8:4 / 80K)
+    driver:         bind region offsets → upload → one launch → wait for its event
+
+`HostLocalDriver` is device-agnostic: regions are opened by an `open_region` callable and
+copied by an engine — the Triton kernel (`kernels.launch_compact`) on VRAM, or a numpy player
+of the same table (`compact.program_runs`) on DRAM, which is how the CPU tests drive it.
+
+Faults stay typed: a region that cannot be mapped, or whose owner process is gone before or
+after the copy, is a `PeerLostError` (the dead region is unmapped); a copy still running at the
+deadline is waited out (queued device work cannot be recalled) and raised as
+`TransferTimeoutError`; a CUDA error is a `PeerLostError`. Owners are read from the region's
+cuda_ipc metadata (`host_identity`: boot id, pid, pid namespace); a pid is checked only where it
+is in this process's pid namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from beamserve.kv_transfer.backends.base import AgentInfo
+from beamserve.kv_transfer.compact import KernelTables, program_runs
+from beamserve.kv_transfer.errors import PeerLostError, TransferPlanError, TransferTimeoutError
+from beamserve.kv_transfer.memory import Buffer, MemoryKind
+
+DRIVER = "host_local"
+RANKS = "ranks"
+DRIVERS = ("auto", RANKS, DRIVER)
+POLL_S = 50e-6
+
+
+def configured_driver() -> str:
+    """`BEAMSERVE_KV_DRIVER`: auto (the cost model decides), ranks or host_local."""
+    value = os.environ.get("BEAMSERVE_KV_DRIVER", "auto").strip().lower() or "auto"
+    if value not in DRIVERS:
+        raise TransferPlanError(
+            f"BEAMSERVE_KV_DRIVER: {value!r} unsupported; choose one of {list(DRIVERS)}"
+        )
+    return value
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def host_identity() -> dict[str, Any]:
+    """What a region's metadata says about its owner: host (boot id), pid, pid namespace."""
+    return {"boot_id": boot_id(), "pid": os.getpid(), "pid_ns": _pid_ns()}
+
+
+@dataclass(frozen=True)
+class RegionOwner:
+    boot_id: str
+    pid: int
+    pid_ns: str
+
+
+def region_owner(info: AgentInfo) -> RegionOwner | None:
+    """The owner named in a cuda_ipc region's metadata (None: an older peer, or not JSON)."""
+    try:
+        doc = json.loads(info.metadata)
+        owner = doc["owner"]
+        return RegionOwner(str(owner["boot_id"]), int(owner["pid"]), str(owner["pid_ns"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def owner_alive(owner: RegionOwner) -> bool:
+    """False only where the owner is provably gone: its pid is in our pid namespace and no
+    longer runs (exited, or a zombie not yet reaped)."""
+    if owner.pid_ns != _pid_ns() or not owner.pid_ns:
+        return True
+    try:
+        with open(f"/proc/{owner.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def refusal(agents: Sequence[AgentInfo], memory: MemoryKind, device: int) -> str | None:
+    """None where the host-local driver can move between these regions, else why not."""
+    if memory is not MemoryKind.VRAM:
+        return f"host_local: moves VRAM only (these regions are {memory.value})"
+    here = boot_id()
+    for a in agents:
+        if a.backend != "cuda_ipc":
+            return f"host_local: needs cuda_ipc regions; {a.name} speaks {a.backend}"
+        owner = region_owner(a)
+        if owner is None:
+            return f"host_local: {a.name} publishes no owner (an older beamserve); use ranks"
+        if owner.boot_id != here or not here:
+            return f"host_local: {a.name} lives on another host; use the ranks driver"
+        if a.device != device:
+            return (
+                f"host_local: {a.name} is on GPU {a.device}, the driver on GPU {device}; one "
+                "launch serves one GPU (use the ranks driver)"
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class LocalPullStats:
+    bytes_moved: int
+    seconds: float  # bind + upload + launch + wait, inside the driver
+    kernel_s: float  # the launch alone (device events; 0 on the numpy engine)
+    programs: int
+    table_bytes: int
+
+
+@dataclass
+class DriverStats:
+    mapped_regions: int
+    live_launches: int
+    pulls: int
+    bytes_moved: int
+
+
+class CopyLaunch(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def kernel_s(self) -> float: ...
+
+
+class CopyEngine(Protocol):
+    """Runs one bound table over the regions (`regions[i]` at `addrs[i]`, base = min)."""
+
+    def launch(
+        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
+    ) -> CopyLaunch: ...
+
+
+class _Done:
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def kernel_s(self) -> float:
+        return 0.0
+
+
+class NumpyEngine:
+    """The kernel's addressing played on host memory, program by program (tests, CPU)."""
+
+    def launch(
+        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
+    ) -> CopyLaunch:
+        so, do, n = program_runs(t, table)
+        starts = np.array([r.addr for r in regions], dtype=np.int64)
+        order = np.argsort(starts)
+        sorted_starts = starts[order]
+        e = t.elem
+        for s_el, d_el, n_el in zip(so.tolist(), do.tolist(), n.tolist(), strict=True):
+            src, s0 = self._locate(base.addr + s_el * e, n_el * e, regions, order, sorted_starts)
+            dst, d0 = self._locate(base.addr + d_el * e, n_el * e, regions, order, sorted_starts)
+            dst.data[d0 : d0 + n_el * e] = src.data[s0 : s0 + n_el * e]
+        return _Done()
+
+    @staticmethod
+    def _locate(
+        addr: int, nbytes: int, regions: Sequence[Buffer], order: Any, starts: Any
+    ) -> tuple[Buffer, int]:
+        j = int(np.searchsorted(starts, addr, side="right")) - 1
+        if j < 0:
+            raise TransferPlanError(f"host_local: address {addr:#x} below every region")
+        region = regions[int(order[j])]
+        off = addr - region.addr
+        if off + nbytes > region.nbytes:
+            raise TransferPlanError(f"host_local: run at {addr:#x} (+{nbytes}) outside its region")
+        return region, off
+
+
+class _CudaLaunch:
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end = start, end
+
+    def done(self) -> bool:
+        return bool(self.end.query())
+
+    def wait(self) -> None:
+        self.end.synchronize()
+
+    def kernel_s(self) -> float:
+        return float(self.start.elapsed_time(self.end)) / 1e3
+
+
+class TritonEngine:
+    """One `kernels.launch_compact` on the driver's stream, between two timing events."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def launch(
+        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
+    ) -> CopyLaunch:
+        from beamserve.kv_transfer import kernels
+
+        torch = self._torch
+        with torch.cuda.stream(self.stream):
+            dev = torch.from_numpy(table).to(f"cuda:{self.device}", non_blocking=False)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            kernels.launch_compact(base.data, dev, t.log2, t.elem, t.align, t.steps, t.programs)
+            end.record(self.stream)
+        dev.record_stream(self.stream)
+        return _CudaLaunch(start, end)
+
+
+def open_cuda_ipc(info: AgentInfo) -> Buffer:
+    from beamserve.kv_transfer.backends.cuda_ipc import open_handle
+
+    return Buffer(MemoryKind.VRAM, open_handle(info.metadata), info.device)
+
+
+class HostLocalDriver:
+    """Maps regions once and moves whole requests between them with one launch each.
+
+    `own` holds the regions of this process by agent name (opened as they are: a process
+    cannot open its own IPC handle). Not thread-safe: one pull at a time.
+    """
+
+    def __init__(
+        self,
+        own: dict[str, Buffer] | None = None,
+        open_region: Callable[[AgentInfo], Buffer] = open_cuda_ipc,
+        engine: CopyEngine | None = None,
+    ) -> None:
+        self._own = dict(own or {})
+        self._open = open_region
+        self._engine = engine
+        self._mapped: dict[str, Buffer] = {}
+        self._owners: dict[str, RegionOwner | None] = {}
+        self._live = 0
+        self._pulls = 0
+        self._bytes = 0
+
+    def connect(self, agents: Sequence[AgentInfo]) -> None:
+        """Map every region not mapped yet (once per peer: not in a request's timed path)."""
+        for a in agents:
+            if a.name in self._mapped or a.name in self._own:
+                continue
+            try:
+                self._mapped[a.name] = self._open(a)
+            except Exception as exc:  # the exporter is gone, or on another host
+                raise PeerLostError(
+                    f"host_local: could not map {a.name}'s region ({exc}); its process is gone"
+                ) from exc
+            self._owners[a.name] = region_owner(a)
+
+    def disconnect(self, name: str) -> None:
+        self._mapped.pop(name, None)
+        self._owners.pop(name, None)
+
+    def pull(
+        self,
+        tables: KernelTables,
+        src_agents: Sequence[AgentInfo],
+        dst_agents: Sequence[AgentInfo],
+        deadline: float,
+    ) -> LocalPullStats:
+        """Copy the request `tables` describes: source rank r's region is `src_agents[r]`'s,
+        destination rank d's `dst_agents[d]`'s. `deadline` is time.monotonic()."""
+        t0 = time.perf_counter()
+        if time.monotonic() >= deadline:
+            raise TransferTimeoutError("host_local: deadline spent before the copy")
+        used_s = sorted({int(r) for r in tables.seg_src_rank})
+        used_d = sorted({int(r) for r in tables.seg_dst_rank})
+        for r, agents, side in ((used_s, src_agents, "source"), (used_d, dst_agents, "dest")):
+            if r and r[-1] >= len(agents):
+                raise TransferPlanError(
+                    f"host_local: the plan names {side} rank {r[-1]}; {len(agents)} agents given"
+                )
+        involved = [src_agents[r] for r in used_s] + [dst_agents[r] for r in used_d]
+        self.connect(involved)
+        self._check_owners(involved, "before")
+        s_bufs = {r: self._region(src_agents[r]) for r in used_s}
+        d_bufs = {r: self._region(dst_agents[r]) for r in used_d}
+        regions = list(s_bufs.values()) + list(d_bufs.values())
+        base = min(regions, key=lambda b: b.addr) if regions else None
+        if base is None or tables.programs == 0:
+            return LocalPullStats(0, time.perf_counter() - t0, 0.0, 0, tables.nbytes)
+        src_addrs = [s_bufs[r].addr if r in s_bufs else base.addr for r in range(len(src_agents))]
+        dst_addrs = [d_bufs[r].addr if r in d_bufs else base.addr for r in range(len(dst_agents))]
+        table = tables.bind(src_addrs, dst_addrs, base.addr)
+        engine = self._engine_for(base)
+        self._live += 1
+        try:
+            try:
+                launch = engine.launch(tables, table, regions, base)
+                while not launch.done():
+                    if time.monotonic() >= deadline:
+                        launch.wait()  # queued device work cannot be recalled
+                        raise TransferTimeoutError(
+                            "host_local: the copy was still running at the deadline (it "
+                            "finished before this returned; raise the deadline)"
+                        )
+                    time.sleep(POLL_S)
+                kernel_s = launch.kernel_s()
+            except RuntimeError as exc:  # a CUDA error on a mapped region
+                raise PeerLostError(f"host_local: the device copy failed ({exc})") from exc
+        finally:
+            self._live -= 1
+        self._check_owners(involved, "during")
+        self._pulls += 1
+        self._bytes += tables.nbytes_moved
+        return LocalPullStats(
+            tables.nbytes_moved, time.perf_counter() - t0, kernel_s, tables.programs, tables.nbytes
+        )
+
+    def close(self) -> None:
+        self._mapped.clear()
+        self._owners.clear()
+
+    def stats(self) -> DriverStats:
+        return DriverStats(len(self._mapped), self._live, self._pulls, self._bytes)
+
+    def _region(self, a: AgentInfo) -> Buffer:
+        return self._own[a.name] if a.name in self._own else self._mapped[a.name]
+
+    def _check_owners(self, agents: Sequence[AgentInfo], when: str) -> None:
+        for a in agents:
+            owner = self._owners.get(a.name)
+            if a.name not in self._own and owner is not None and not owner_alive(owner):
+                self.disconnect(a.name)
+                raise PeerLostError(
+                    f"host_local: {a.name} (pid {owner.pid}) exited {when} the copy; the pull "
+                    "is void (decode recomputes the prefill)"
+                )
+
+    def _engine_for(self, base: Buffer) -> CopyEngine:
+        if self._engine is None:
+            self._engine = (
+                TritonEngine(base.device) if base.kind is MemoryKind.VRAM else NumpyEngine()
+            )
+        return self._engine
