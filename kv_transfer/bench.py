@@ -82,6 +82,10 @@ class TransferResult:
     estimate_staged_ms: float = 0.0
     gather_rank_ms: float = 0.0  # gather copies alone on the slowest source rank (in gather_ms)
     copy_engine: str = ""  # what moved local copies on decode rank 0: numpy, triton or torch
+    driver: str = "ranks"  # who copied: each decode rank, or one host_local launch
+    kernel_ms: float = 0.0  # host_local: the one launch alone (device events)
+    drive_ms: float = 0.0  # host_local: inside the driver process (bind, upload, launch, wait)
+    estimate_local_ms: float = 0.0
 
 
 def pool_for(
@@ -234,6 +238,10 @@ class PairRig:
             estimate_staged_ms=round(choice.staged_s * 1e3, 3) if choice else 0.0,
             gather_rank_ms=round(res.gather_rank_ms, 3),
             copy_engine=self.copy_engine,
+            driver=res.driver,
+            kernel_ms=round(res.kernel_ms, 3),
+            drive_ms=round(res.drive_ms, 3),
+            estimate_local_ms=round(choice.local_s * 1e3, 3) if choice else 0.0,
         )
 
     def pool_stats(self) -> list[object]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from beamserve.kv_transfer.compact import CompactPlan
 from beamserve.kv_transfer.errors import TransferPlanError
 from beamserve.kv_transfer.memory import MemoryKind
 from beamserve.kv_transfer.plan import TransferPlan
@@ -47,12 +48,16 @@ def parse_path(value: str) -> TransferPath:
 @dataclass(frozen=True)
 class LinkModel:
     """Costs of one link: per wire descriptor, wire bandwidth, local copy bandwidth, and one
-    handshake round trip (a staging round's gather request)."""
+    handshake round trip (a staging round's gather request); where measured, the fixed cost
+    of a direct pull driven by the ranks (each rank's pipe round trip and table), and of one
+    host-local pull (`local_fixed_s`; None: the link has no host-local driver)."""
 
     per_desc_s: float
     wire_Bps: float
     copy_Bps: float
     round_trip_s: float = 2e-3
+    direct_fixed_s: float = 0.0
+    local_fixed_s: float | None = None
 
 
 LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
@@ -62,9 +67,15 @@ LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
     # (65,536 reads of 16 KiB at 4.1 GB/s against 4.9 GB/s for a memcpy here, 2026-12-01).
     (MemoryKind.DRAM, "cma"): LinkModel(0.2e-6, 4.5e9, 3e9),
     (MemoryKind.VRAM, "nixl"): LinkModel(6e-6, 1.5e12, 1.5e12),
-    # cuda_ipc serves a read of many descriptors with one gather kernel per length class over
-    # the peer's mapped memory: a descriptor costs an index, not a launch.
-    (MemoryKind.VRAM, "cuda_ipc"): LinkModel(2e-9, 1.5e12, 1.5e12),
+    # cuda_ipc serves a read of many descriptors with one kernel over the peer's mapped
+    # memory: a descriptor costs an index, not a launch. Fixed costs from the H200 runs of
+    # 2026-12-01 (docs/kv-transfer.md): a direct pull through the four decode rank processes
+    # took 6.8–11.9 ms for ≈ 1.5 ms of copies (≈ 5 ms fixed); a stage call 8.6–10 ms. The
+    # host-local driver's fixed cost (one pipe round trip, a 260 KB table upload, one launch)
+    # is an estimate, ≈ 0.5 ms.
+    (MemoryKind.VRAM, "cuda_ipc"): LinkModel(
+        2e-9, 1.5e12, 1.5e12, round_trip_s=8e-3, direct_fixed_s=5e-3, local_fixed_s=0.5e-3
+    ),
 }
 
 
@@ -84,6 +95,8 @@ class PathChoice:
     direct_s: float
     staged_s: float
     reason: str
+    driver: str = "ranks"  # who copies: each decode rank ("ranks") or one "host_local" launch
+    local_s: float = 0.0  # the host-local estimate, where one was made
 
 
 def estimate_direct(plan: TransferPlan, link: LinkModel) -> float:
@@ -92,7 +105,28 @@ def estimate_direct(plan: TransferPlan, link: LinkModel) -> float:
         per_dst[p.dst_rank] = (
             per_dst.get(p.dst_rank, 0.0) + p.count * link.per_desc_s + p.nbytes / link.wire_Bps
         )
-    return max(per_dst.values(), default=0.0)
+    return link.direct_fixed_s + max(per_dst.values(), default=0.0)
+
+
+def estimate_direct_compact(plan: CompactPlan, link: LinkModel) -> float:
+    """`estimate_direct` from the compact plan (the same counts, without writing them out)."""
+    per_dst = [c * link.per_desc_s + b / link.wire_Bps for c, b in plan.per_dst_rank().values()]
+    return link.direct_fixed_s + max(per_dst, default=0.0)
+
+
+def estimate_local(plan: CompactPlan, link: LinkModel) -> float:
+    """One launch on one device moves every destination rank's bytes:
+    local_s = local_fixed_s + bytes_moved / wire_Bps (no sum over ranks in parallel)."""
+    if link.local_fixed_s is None:
+        raise TransferPlanError("link: this link has no host-local driver (local_fixed_s)")
+    return link.local_fixed_s + plan.bytes_moved / link.wire_Bps
+
+
+def estimate_staged_floor(plan: CompactPlan, link: LinkModel) -> float:
+    """A lower bound of `estimate_staged` for any staging of `plan`: one round trip plus the
+    slowest destination rank's bytes on the wire (staging never moves fewer)."""
+    top = max((b for _c, b in plan.per_dst_rank().values()), default=0)
+    return link.round_trip_s + top / link.wire_Bps
 
 
 def estimate_staged(staged: StagedPlan, link: LinkModel) -> float:
@@ -124,3 +158,34 @@ def choose_path(
         return PathChoice(TransferPath.STAGED, d, s, why)
     why = f"direct {d * 1e3:.2f} ms ≤ staged {s * 1e3:.2f} ms"
     return PathChoice(TransferPath.DIRECT, d, s, why)
+
+
+def choose_host_local(
+    plan: CompactPlan,
+    link: LinkModel,
+    want: TransferPath,
+    forced: bool = False,
+    staging: bool = False,
+) -> PathChoice | None:
+    """The host-local driver's choice for an eligible pull, or None (plan for the ranks).
+
+    `want` STAGED never drives host-locally (staging is a per-rank pipeline). Otherwise the
+    driver is taken where `forced` (BEAMSERVE_KV_DRIVER=host_local) or where its estimate is
+    no larger than direct through the ranks and, for `auto` with staging pools on both sides,
+    than the staged floor (`estimate_staged_floor`: if host-local is cheaper than the floor it
+    is cheaper than any staging, so the staged plan need not be built)."""
+    if want is TransferPath.STAGED:
+        return None
+    local, direct = estimate_local(plan, link), estimate_direct_compact(plan, link)
+    floor = estimate_staged_floor(plan, link) if want is TransferPath.AUTO and staging else 0.0
+    rivals = [direct] + ([floor] if floor else [])
+    if forced:
+        why = "forced (BEAMSERVE_KV_DRIVER=host_local)"
+    elif local <= min(rivals):
+        why = (
+            f"host_local {local * 1e3:.2f} ms ≤ direct through the ranks {direct * 1e3:.2f} ms"
+            + (f" and staged ≥ {floor * 1e3:.2f} ms" if floor else "")
+        )
+    else:
+        return None
+    return PathChoice(TransferPath.DIRECT, direct, floor, why, "host_local", local)

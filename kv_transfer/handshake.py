@@ -38,8 +38,18 @@ from typing import Any, Protocol, cast
 
 import httpx
 import uvicorn
+from beamserve.kv_transfer import host_local
 from beamserve.kv_transfer.backends.base import AgentInfo, ReadOp
-from beamserve.kv_transfer.cost import PathChoice, TransferPath, choose_path, link_for, parse_path
+from beamserve.kv_transfer.compact import CompactPlan, KernelTables, compact_plan, kernel_tables
+from beamserve.kv_transfer.cost import (
+    LinkModel,
+    PathChoice,
+    TransferPath,
+    choose_host_local,
+    choose_path,
+    link_for,
+    parse_path,
+)
 from beamserve.kv_transfer.errors import (
     ChecksumMismatchError,
     IncompatiblePeerError,
@@ -591,7 +601,7 @@ def ops_for_rank(plan: TransferPlan, dst_rank: int, agents: Sequence[AgentInfo])
 
 @dataclass(frozen=True)
 class PullResult:
-    plan: TransferPlan
+    plan: TransferPlan | CompactPlan  # compact where the host-local driver ran
     plan_ms: float
     seconds: float
     bytes_moved: int  # on the wire: equals plan.bytes_moved on both paths
@@ -605,6 +615,9 @@ class PullResult:
     rounds: int = 0
     choice: PathChoice | None = None
     gather_rank_ms: float = 0.0  # the gather copies alone, on the slowest source rank
+    driver: str = host_local.RANKS  # who copied: each decode rank, or one host_local launch
+    kernel_ms: float = 0.0  # host_local: the launch alone (device events)
+    drive_ms: float = 0.0  # host_local: inside the driver (bind, upload, launch, wait)
 
 
 class DecodeKVClient:
@@ -613,6 +626,12 @@ class DecodeKVClient:
     `path` picks how: `direct` (the plan's descriptors on the wire), `staged` (gather on the
     prefill ranks, one descriptor per chunk, scatter here; both sides need staging pools) or
     `auto` (the cost model decides per plan; direct where either side has no staging pool).
+
+    `driver` picks who copies a direct pull: `ranks` (each decode rank reads its descriptors),
+    `host_local` (one process, one kernel launch for every rank, where every region is on
+    this host's one GPU and the group offers `drive_local`; refused with the reason
+    otherwise) or `auto` (default, or `BEAMSERVE_KV_DRIVER`): host-local where eligible and
+    the cost model's estimate is the smallest.
     """
 
     def __init__(
@@ -621,9 +640,16 @@ class DecodeKVClient:
         http_timeout_s: float = 5.0,
         path: TransferPath | str = TransferPath.AUTO,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        driver: str | None = None,
     ) -> None:
         self.group = group
         self.path = parse_path(str(path))
+        self.driver = host_local.configured_driver() if driver is None else driver
+        if self.driver not in host_local.DRIVERS:
+            raise TransferPlanError(
+                f"driver: {self.driver!r} unknown; choose one of {list(host_local.DRIVERS)}"
+            )
+        self._local_why: dict[str, str | None] = {}  # per peer URL: why not host-local
         self.chunk_bytes = chunk_bytes
         self._http = httpx.Client(timeout=http_timeout_s)
         self._peers: dict[str, tuple[KVPeerInfo, PoolLayout]] = {}
@@ -639,6 +665,7 @@ class DecodeKVClient:
 
     def peer(self, url: str, refresh: bool = False) -> tuple[KVPeerInfo, PoolLayout]:
         if refresh or url not in self._peers:
+            self._local_why.pop(url, None)
             info = KVPeerInfo.model_validate(self._get(url, "/kv/v1/agents"))
             self._peers[url] = (info, check_peer(info, self.group.layout, self.group.backend))
         return self._peers[url]
@@ -661,6 +688,13 @@ class DecodeKVClient:
             req = RequestKVInfo.model_validate(self._get(url, f"/kv/v1/requests/{request_id}"))
             t0 = time.perf_counter()
             src_pages = RequestPages.of(req.full_pages, req.window_pages)
+            local = self._host_local(url, info, src, req.seq_len, src_pages, dst_pages, want)
+            if local is not None:
+                result = self._pull_host_local(info, local, t0, end, request_id)
+                if verify_checksums:
+                    self._verify(req, dst_pages, end)
+                    result = dataclasses.replace(result, checksums_verified=True)
+                return result
             prepared = self._prepare(
                 url, request_id, info, src, req.seq_len, src_pages, dst_pages, want
             )
@@ -695,9 +729,76 @@ class DecodeKVClient:
             return result
         except PeerLostError:
             self._peers.pop(url, None)  # its metadata is stale once a rank is gone
+            self._local_why.pop(url, None)
             raise
         finally:
             self._release(url, request_id)
+
+    def _host_local(
+        self,
+        url: str,
+        info: KVPeerInfo,
+        src: PoolLayout,
+        seq_len: int,
+        src_pages: RequestPages,
+        dst_pages: RequestPages,
+        want: TransferPath,
+    ) -> tuple[CompactPlan, KernelTables, PathChoice] | None:
+        """The compact plan, its kernel table and the choice, where this pull goes through the
+        host-local driver; None where it goes through the ranks."""
+        if self.driver == host_local.RANKS or want is TransferPath.STAGED or not seq_len:
+            return None
+        forced = self.driver == host_local.DRIVER
+        memory = MemoryKind(getattr(self.group, "memory", MemoryKind.DRAM))
+        try:
+            link: LinkModel | None = link_for(memory, self.group.backend)
+        except TransferPlanError:
+            link = None
+        if url not in self._local_why:
+            refusal = getattr(self.group, "host_local_refusal", None)
+            if refusal is None or not hasattr(self.group, "drive_local"):
+                why: str | None = "host_local: this decode group has no host-local driver"
+            elif link is None or link.local_fixed_s is None:
+                why = f"host_local: no host-local driver for {memory.value}/{self.group.backend}"
+            else:
+                why = refusal([r.to_info() for r in info.ranks])
+            self._local_why[url] = why
+        why = self._local_why[url]
+        if why is not None:
+            if forced:
+                raise IncompatiblePeerError(f"prefill {info.engine_id}: {why}")
+            return None
+        assert link is not None  # no refusal: the link has a host-local model
+        compact = compact_plan(src, self.group.layout, seq_len, src_pages, dst_pages)
+        here = int(getattr(self.group, "staging_bytes", 0) or 0)
+        staging = info.staging_bytes > 0 and here > 0
+        choice = choose_host_local(compact, link, want, forced, staging)
+        if choice is None:
+            return None
+        return compact, kernel_tables(compact), choice
+
+    def _pull_host_local(
+        self,
+        info: KVPeerInfo,
+        local: tuple[CompactPlan, KernelTables, PathChoice],
+        t0: float,
+        end: float,
+        request_id: str,
+    ) -> PullResult:
+        compact, tables, choice = local
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        agents = [r.to_info() for r in info.ranks]
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeoutError(f"request {request_id}: deadline spent before reads")
+        t1 = time.perf_counter()
+        stats = cast(Any, self.group).drive_local(tables, agents, remaining)
+        seconds = time.perf_counter() - t1
+        return PullResult(
+            compact, plan_ms, seconds, stats.bytes_moved, False, TransferPath.DIRECT,
+            compact.descriptors, 0, 0.0, seconds * 1e3, 0.0, 0, choice, 0.0,
+            host_local.DRIVER, stats.kernel_s * 1e3, stats.seconds * 1e3,
+        )  # fmt: skip
 
     def _stage_body(self, dst_pages: RequestPages, digest: str, round_: int) -> StageRequest:
         layout = self.group.layout

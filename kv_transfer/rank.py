@@ -17,8 +17,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from beamserve.kv_transfer import content, kernels
+from beamserve.kv_transfer import content, host_local, kernels
 from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
+from beamserve.kv_transfer.compact import KernelTables
 from beamserve.kv_transfer.errors import KVTransferError, PeerLostError, TransferTimeoutError
 from beamserve.kv_transfer.memory import MemoryKind, allocate, copy_runs
 from beamserve.kv_transfer.staging import PoolStats, StagingPool
@@ -102,6 +103,7 @@ class _Rank:
         self.agent = make_agent(spec.backend, f"{spec.group}-r{spec.rank}-{os.getpid()}")
         self.info = self.agent.register(self.buffer)
         self._scratch: Any = None
+        self._driver: host_local.HostLocalDriver | None = None
 
     def _upload(self) -> None:
         if self.spec.memory is MemoryKind.VRAM:
@@ -200,6 +202,21 @@ class _Rank:
             for off in taken:
                 self.pool.release(off)
 
+    # -- the host-local driver: this rank copies a whole request for every rank of both pools --
+    def drive_local(
+        self,
+        tables: KernelTables,
+        src_agents: list[AgentInfo],
+        dst_agents: list[AgentInfo],
+        deadline_s: float,
+    ) -> host_local.LocalPullStats:
+        if self._driver is None:
+            self._driver = host_local.HostLocalDriver({self.info.name: self.buffer})
+        return self._driver.pull(tables, src_agents, dst_agents, time.monotonic() + deadline_s)
+
+    def driver_stats(self) -> host_local.DriverStats | None:
+        return None if self._driver is None else self._driver.stats()
+
     def copy_engine(self) -> str:
         """What `copy_runs` uses here: "numpy" (DRAM), "triton" or "torch" (VRAM)."""
         return kernels.engine() if self.spec.memory is MemoryKind.VRAM else "numpy"
@@ -264,6 +281,9 @@ class _Rank:
     def close(self) -> AgentStats:
         for tag in list(self._held):
             self.release_staging(tag)
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
         self.agent.close()
         return self.agent.stats()
 
@@ -312,6 +332,8 @@ class RankGroup:
     ) -> None:
         self.group, self.layout, self.backend = group, layout, backend
         self.memory, self.staging_bytes = MemoryKind(memory), staging_bytes
+        self.device = device
+        self._engine0: str | None = None  # decode rank 0's copy engine, asked once
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -385,6 +407,29 @@ class RankGroup:
         return self.call(
             ranks, "read", lambda r: (ops_by_rank[r], deadline_s), deadline_s + GRACE_S
         )
+
+    # -- the host-local driver (rank 0's process drives every rank's copy) ----------------------
+    def host_local_refusal(self, peers: Sequence[AgentInfo]) -> str | None:
+        """None if rank 0 can drive pulls from `peers` into this group with one launch."""
+        why = host_local.refusal([*peers, *self.infos], self.memory, self.device)
+        if why is None:
+            if self._engine0 is None:
+                self._engine0 = str(self.call([0], "copy_engine", lambda _r: (), 60.0)[0])
+            if self._engine0 != "triton":
+                why = f"host_local: needs the Triton copy engine; rank 0 runs {self._engine0}"
+        return why
+
+    def drive_local(
+        self, tables: KernelTables, src_agents: Sequence[AgentInfo], deadline_s: float
+    ) -> host_local.LocalPullStats:
+        """Rank 0 copies the whole request (one launch) into every rank of this group."""
+        result: host_local.LocalPullStats = self.call(
+            [0],
+            "drive_local",
+            lambda _r: (tables, list(src_agents), list(self.infos), deadline_s),
+            deadline_s + GRACE_S,
+        )[0]
+        return result
 
     def kill(self, rank: int) -> None:
         proc = self._procs[rank]
