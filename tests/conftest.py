@@ -117,14 +117,35 @@ def spawn_worker() -> Iterator[SpawnWorker]:
 EXIT_GRACE_S = 120.0
 
 
+# A second process that ends this one if it outlives the grace (below): the faulthandler timer
+# stops with Python's own finalisation, and a native destructor that hangs after it (one did:
+# libnl-route's, loaded by NIXL's UCX, spinning in `_dl_fini`) would otherwise go unnoticed.
+_EXIT_WATCHDOG = """
+import os, sys, time
+pid, grace = int(sys.argv[1]), float(sys.argv[2])
+end = time.monotonic() + grace
+while time.monotonic() < end:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    time.sleep(0.5)
+sys.stderr.write(
+    f"conftest: pytest (pid {pid}) still alive {grace:.0f} s after its session ended "
+    "(a hang in native code at exit); killing it\\n"
+)
+os.kill(pid, 9)
+"""
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """A suite that hangs on its way out (a thread or child process that never ends) fails fast.
+    """A suite that hangs on its way out (a thread, a child process or a native destructor that
+    never ends) fails fast instead of running into CI's own limit with nothing in the log.
 
     Python's shutdown joins every non-daemon thread (executors included) and multiprocessing's
-    children; one that never ends keeps the process alive after pytest's summary, until CI's own
-    limit kills it, with nothing in the log to say why. Name the lingering ones now, and arm
-    faulthandler: if the process is still alive `EXIT_GRACE_S` later, every thread's stack goes
-    to stderr and the process exits with status 1.
+    children: the lingering ones are named now, and faulthandler is armed to write every
+    thread's stack and exit with status 1 if Python is still finalising `EXIT_GRACE_S` later.
+    Past Python's finalisation, a watchdog process kills the interpreter at the same grace.
     """
     import faulthandler
     import threading
@@ -135,3 +156,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if lingering:
         sys.stderr.write(f"conftest: non-daemon threads alive at exit: {', '.join(lingering)}\n")
     faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
+    subprocess.Popen(
+        [sys.executable, "-c", _EXIT_WATCHDOG, str(os.getpid()), str(EXIT_GRACE_S + 30)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip

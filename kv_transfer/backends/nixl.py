@@ -7,11 +7,19 @@ from the target side (one-sided reads need nothing from it at all).
 
 A read is posted in chunks (`CHUNK_DESCS`, `CHUNK_BYTES`), the next when the previous is done,
 so that a deadline can interrupt it.
+
+On a host without RDMA devices (no `/sys/class/infiniband/*`) UCX's InfiniBand modules are
+left unloaded (`UCX_MODULES=^ib`, unless the environment sets `UCX_MODULES`): they have nothing
+to drive there, and the libnl-route that the wheel bundles for them crashes in its destructor
+when the process exits (SIGSEGV in `rtnl_tc_unregister` from `_dl_fini`: exit status 139, or a
+process that spins forever where another SIGSEGV handler returns into the fault).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +37,22 @@ CHUNK_DESCS = 4096
 CHUNK_BYTES = 64 << 20
 
 
+RDMA_CLASS = "/sys/class/infiniband"
+
+
+def ucx_environment(environ: MutableMapping[str, str], rdma_class: str = RDMA_CLASS) -> None:
+    """Before UCX starts: leave its InfiniBand modules out where the host has no RDMA device
+    (module docstring). An explicit ``UCX_MODULES`` is the operator's and stays as it is."""
+    if "UCX_MODULES" in environ:
+        return
+    try:
+        devices = os.listdir(rdma_class)
+    except OSError:
+        devices = []
+    if not devices:
+        environ["UCX_MODULES"] = "^ib"
+
+
 class NixlAgent(TransferAgent):
     backend = "nixl"
     # DRAM through UCX CMA on one host; VRAM through UCX's cuda_ipc/cuda_copy transports (the
@@ -37,6 +61,7 @@ class NixlAgent(TransferAgent):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
+        ucx_environment(os.environ)
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self._agent = nixl_agent(
