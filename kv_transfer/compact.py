@@ -44,7 +44,7 @@ from beamserve.kv_transfer.plan import (
 )
 from beamserve.kv_transfer.topology import IntArray, PoolLayout, RequestPages
 
-HEADER = 8  # int64 words before the segment columns (offsets of the other columns)
+HEADER = 8  # int64 words before the segment columns: the columns' offsets, the program count
 MIN_LOG2 = 6  # the segment columns hold at least 64 rows: one compiled variant for most plans
 PAD = np.iinfo(np.int64).max  # seg_start of padding rows: never ≤ a program id
 
@@ -269,6 +269,7 @@ def kernel_tables(
         roff += len(r)
     for col, values in enumerate((starts, counts, boffs, roffs)):
         table[HEADER + col * rows : HEADER + col * rows + n_seg] = values
+    table[5] = prog  # programs: the kernel's bound when one launched program copies several
     block = block_bytes // elem
     return KernelTables(
         table,

@@ -222,6 +222,7 @@ class TritonEngine:
         self._torch = torch
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.runs, self.warps = kernels_shape()
 
     def launch(
         self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
@@ -234,10 +235,19 @@ class TritonEngine:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            kernels.launch_compact(base.data, dev, t.log2, t.elem, t.align, t.steps, t.programs)
+            kernels.launch_compact(
+                base.data, dev, t.log2, t.elem, t.align, t.steps, t.programs,
+                self.runs, self.warps,
+            )  # fmt: skip
             end.record(self.stream)
         dev.record_stream(self.stream)
         return _CudaLaunch(start, end)
+
+
+def kernels_shape() -> tuple[int, int]:
+    from beamserve.kv_transfer import kernels
+
+    return kernels.local_launch_shape()
 
 
 def open_cuda_ipc(info: AgentInfo) -> Buffer:

@@ -136,56 +136,44 @@ def _compact_kernel() -> Any:
     @triton.jit  # type: ignore[misc, untyped-decorator, unused-ignore]
     def copy_compact(  # type: ignore[no-untyped-def]
         base, tab, LOG2: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
-        BLOCK: tl.constexpr, STEPS: tl.constexpr, HINTS: tl.constexpr,
+        BLOCK: tl.constexpr, STEPS: tl.constexpr, HINTS: tl.constexpr, RUNS: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0).to(tl.int64)
-        # The segment: the last row whose first program is ≤ pid (padding rows hold int64 max).
-        k = pid * 0
-        for j in tl.static_range(LOG2):
-            cand = k + (ROWS >> (j + 1))
-            k = tl.where(tl.load(tab + 8 + cand) <= pid, cand, k)
-        start = tl.load(tab + 8 + k)
-        ni = tl.load(tab + 8 + ROWS + k)
-        boff = tl.load(tab + 8 + 2 * ROWS + k)
-        roff = tl.load(tab + 8 + 3 * ROWS + k)
-        s_off = tl.load(tab + 8 + 4 * ROWS + k)
-        d_off = tl.load(tab + 8 + 5 * ROWS + k)
-        local = pid - start
-        b = local // ni
-        i = local - b * ni
-        so = s_off + tl.load(tab + tl.load(tab) + boff + b)
-        so += tl.load(tab + tl.load(tab + 2) + roff + i)
-        do = d_off + tl.load(tab + tl.load(tab + 1) + boff + b)
-        do += tl.load(tab + tl.load(tab + 3) + roff + i)
-        n = tl.load(tab + tl.load(tab + 4) + roff + i)
-        if HINTS:
-            so = tl.multiple_of(so, ALIGN)
-            do = tl.multiple_of(do, ALIGN)
-            n = tl.multiple_of(n, ALIGN)
-        for j in tl.static_range(STEPS):
-            e = j * BLOCK + tl.arange(0, BLOCK)
-            m = e < n
-            tl.store(base + do + e, tl.load(base + so + e, mask=m), mask=m)
+        total = tl.load(tab + 5)
+        for r in tl.static_range(RUNS):
+            # Program ids of the table (`compact.program_runs`): RUNS per launched program.
+            pid = tl.program_id(0).to(tl.int64) * RUNS + r
+            live = pid < total
+            pid = tl.where(live, pid, total - 1)  # past the end: read in bounds, copy nothing
+            # The segment: the last row whose first program is ≤ pid (padding: int64 max).
+            k = pid * 0
+            for j in tl.static_range(LOG2):
+                cand = k + (ROWS >> (j + 1))
+                k = tl.where(tl.load(tab + 8 + cand) <= pid, cand, k)
+            start = tl.load(tab + 8 + k)
+            ni = tl.load(tab + 8 + ROWS + k)
+            boff = tl.load(tab + 8 + 2 * ROWS + k)
+            roff = tl.load(tab + 8 + 3 * ROWS + k)
+            s_off = tl.load(tab + 8 + 4 * ROWS + k)
+            d_off = tl.load(tab + 8 + 5 * ROWS + k)
+            local = pid - start
+            b = local // ni
+            i = local - b * ni
+            so = s_off + tl.load(tab + tl.load(tab) + boff + b)
+            so += tl.load(tab + tl.load(tab + 2) + roff + i)
+            do = d_off + tl.load(tab + tl.load(tab + 1) + boff + b)
+            do += tl.load(tab + tl.load(tab + 3) + roff + i)
+            n = tl.where(live, tl.load(tab + tl.load(tab + 4) + roff + i), 0)
+            if HINTS:
+                so = tl.multiple_of(so, ALIGN)
+                do = tl.multiple_of(do, ALIGN)
+                n = tl.multiple_of(n, ALIGN)
+            for j in tl.static_range(STEPS):
+                e = j * BLOCK + tl.arange(0, BLOCK)
+                m = e < n
+                tl.store(base + do + e, tl.load(base + so + e, mask=m), mask=m)
 
     _state["compact"] = copy_compact
     return copy_compact
-
-
-def launch_compact(
-    base: Any, table: Any, log2: int, elem: int, align: int, steps: int, programs: int
-) -> None:
-    """One launch of the host-local kernel on the current stream: `base` is a flat uint8 CUDA
-    tensor at the bound base address, `table` the bound table on the device (int64)."""
-    import torch
-
-    if programs <= 0:
-        return
-    dtype = getattr(torch, _TORCH_DTYPES[elem])
-    hints = bool(_state.get("hints", True))
-    _compact_kernel()[(programs,)](
-        base.view(dtype), table, LOG2=log2, ROWS=1 << log2, ALIGN=align, BLOCK=BLOCK_BYTES // elem,
-        STEPS=steps, HINTS=hints, num_warps=8,
-    )  # fmt: skip
 
 
 def triton_copy_runs(src: Any, dst: Any, src_off: I64, dst_off: I64, lengths: I64) -> None:
@@ -212,6 +200,47 @@ def _launch(src: Any, dst: Any, table: Any, align: int, block: int, steps: int) 
     _kernel()[(int(table.shape[0]),)](
         src, dst, table, ALIGN=align, BLOCK=block, STEPS=steps, HINTS=hints, num_warps=8
     )
+
+
+def launch_compact(
+    base: Any,
+    table: Any,
+    log2: int,
+    elem: int,
+    align: int,
+    steps: int,
+    programs: int,
+    runs: int = 1,
+    num_warps: int = 8,
+) -> None:
+    """One launch of the host-local kernel on the current stream: `base` is a flat uint8 CUDA
+    tensor at the bound base address, `table` the bound table on the device (int64); each
+    launched program copies `runs` consecutive pieces (`compact.program_runs` order)."""
+    import torch
+
+    if programs <= 0:
+        return
+    dtype = getattr(torch, _TORCH_DTYPES[elem])
+    hints = bool(_state.get("hints", True))
+    _compact_kernel()[(-(-programs // runs),)](
+        base.view(dtype), table, LOG2=log2, ROWS=1 << log2, ALIGN=align,
+        BLOCK=BLOCK_BYTES // elem, STEPS=steps, HINTS=hints, RUNS=runs, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def local_launch_shape() -> tuple[int, int]:
+    """(pieces per program, warps) of the host-local kernel: ``BEAMSERVE_KV_LOCAL_RUNS``
+    (default 1) and ``BEAMSERVE_KV_LOCAL_WARPS`` (default 8)."""
+    out = []
+    for name, default, allowed in (
+        ("BEAMSERVE_KV_LOCAL_RUNS", 1, (1, 2, 4, 8)),
+        ("BEAMSERVE_KV_LOCAL_WARPS", 8, (2, 4, 8, 16)),
+    ):
+        raw = os.environ.get(name, "").strip() or str(default)
+        if not raw.isdigit() or int(raw) not in allowed:
+            raise ValueError(f"{name}: {raw!r} unsupported; choose one of {list(allowed)}")
+        out.append(int(raw))
+    return out[0], out[1]
 
 
 def engine() -> str:

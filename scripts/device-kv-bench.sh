@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # KV transfer on the GPU device machine: GPU tests, then the VRAM benchmark matrix.
 #
-#   scripts/device-kv-bench.sh smoke|full|plan|kernel|tests   (run by the `run` tool, repo root)
+#   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|tests   (run by the `run` tool, repo root)
+#
+# `local` (≈ 8 min): the host-local driver (one process, one launch for every rank). First
+# 8:4 at 80K bf16 by every path, twice (driver auto: direct and auto take host_local), then
+# the same rig kind with BEAMSERVE_KV_DRIVER=ranks (the driver before it, same machine), then
+# the host-local GPU and CPU tests, then 4:8 8:8 1:1 and fp8 8:4 by auto. A CPU dry run here:
+#   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=nixl KV_TOKENS=2048 \
+#     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh local
 #
 # `kernel` (≈ 3 min): 8:4 at 80K bf16 by every path with the one-launch Triton copy, then the
 # same direct pull with BEAMSERVE_KV_COPY=torch (the copy engine before it, same machine), then
@@ -34,6 +41,7 @@ fi
 rm -rf /tmp/bs && mkdir -p /tmp/bs/beamserve
 for f in "$REPO"/src/beamserve/*; do ln -s "$f" /tmp/bs/beamserve/; done
 for d in kv_transfer kvwire workers router operator; do ln -s "$REPO/$d" /tmp/bs/beamserve/$d; done
+ln -s "$REPO/tests" /tmp/bs/tests  # tests import tests.kv_transfer.* (the root itself would shadow)
 if [ "${KV_SITE:-1}" = 1 ]; then export PYTHONPATH=/tmp/site-kv:/tmp/bs; else export PYTHONPATH=/tmp/bs; fi
 cd /tmp || exit 3
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
@@ -72,6 +80,21 @@ case "$MODE" in
       "$REPO/tests/kv_transfer/test_gpu.py" -k "copy_runs or (cuda_ipc and 8) or kernel or piece" \
       "$REPO/tests/kv_transfer/test_kernels.py" 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -v CudaIPCTypes | tail -8 ;;
+  local)  # 7 files come back: env, one bench log, four JSONs, the test log
+    PLOTS=/tmp; export COLUMNS=230
+    lbench() { local name=$1; shift; echo "== $name $*" >> "$OUT/local-bench.log"
+      $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" 2>&1 \
+        | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
+    lbench kv-transfer-local --backend "$BACK" --tokens "$TOK" "$TOK" --pairs 8:4 --path direct staged auto
+    BEAMSERVE_KV_DRIVER=ranks lbench kv-transfer-local-ranks --backend "$BACK" --tokens "$TOK" \
+      --pairs 8:4 --path direct auto
+    $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+      "$REPO/tests/kv_transfer/test_gpu.py" -k "host_local or compact or cuda_ipc_pulls" \
+      "$REPO/tests/kv_transfer/test_compact.py" "$REPO/tests/kv_transfer/test_host_local.py" 2>&1 \
+      | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | grep -E 'host-local kernel|passed|failed|error|Error|SKIP' | tail -12
+    lbench kv-transfer-local-pairs --backend "$BACK" --tokens "$TOK" --pairs 4:8 8:8 1:1 --path auto
+    lbench kv-transfer-local-fp8 --backend "$BACK" --tokens "$TOK" --pairs 8:4 --kv-dtype fp8_e4m3 \
+      --path auto ;;
   full)  # the GPU tests, then the matrix: 80K tokens, 4 pairs, bf16 and fp8, 3 paths
     $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
       "$REPO/tests/kv_transfer/test_gpu.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | tail -15

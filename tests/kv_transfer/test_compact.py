@@ -200,15 +200,17 @@ for s_tp, d_tp, seq in ((8, 4, 300), (2, 1, 129), (1, 1, 77)):
     d0 = offs[-1] + src.region_bytes + 64
     doffs = [d0 + i * (dst.region_bytes + 64) for i in range(d_tp)]
     size = doffs[-1] + dst.region_bytes
-    space = torch.from_numpy(rng.integers(0, 256, size + 64, dtype=np.uint8))
+    host = rng.integers(0, 256, size + 64, dtype=np.uint8)
     table = t.bind(offs, doffs, 0)
-    want = space.numpy().copy()
+    want = host.copy()
     e = t.elem
     for a, b, n in zip(*(x.tolist() for x in program_runs(t, table))):
         want[b * e : (b + n) * e] = want[a * e : (a + n) * e]
-    kernels.launch_compact(space, torch.from_numpy(table), t.log2, t.elem, t.align, t.steps,
-                           t.programs)
-    assert np.array_equal(space.numpy(), want), (s_tp, d_tp, seq)
+    for runs in (1, 4):  # pieces per launched program (the last program partly idle)
+        space = torch.from_numpy(host.copy())
+        kernels.launch_compact(space, torch.from_numpy(table), t.log2, t.elem, t.align,
+                               t.steps, t.programs, runs)
+        assert np.array_equal(space.numpy(), want), (s_tp, d_tp, seq, runs)
 print("ok")
 """
 

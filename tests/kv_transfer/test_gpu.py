@@ -340,4 +340,25 @@ def test_compact_kernel_in_one_process(src_tp: int, dst_tp: int, dtype: KVDtype,
             f"the same bytes {copy * 1e3:.3f} ms ({plan.bytes_moved / copy / 1e9:.0f} GB/s): "
             f"{copy / kernel:.3f} x"
         )
+        # The launch's shape: pieces per program × warps (BEAMSERVE_KV_LOCAL_RUNS / _WARPS).
+        from beamserve.kv_transfer import kernels
+
+        base = min(s_bufs + d_bufs, key=lambda b: b.addr)
+        bound = t.bind([b.addr for b in s_bufs], [b.addr for b in d_bufs], base.addr)
+        dev = torch.from_numpy(bound).cuda()
+        for runs in (1, 2, 4):
+            for warps in (4, 8):
+                ms = []
+                for _ in range(6):
+                    ev[0].record()
+                    kernels.launch_compact(
+                        base.data, dev, t.log2, t.elem, t.align, t.steps, t.programs, runs, warps
+                    )
+                    ev[1].record()
+                    ev[1].synchronize()
+                    ms.append(ev[0].elapsed_time(ev[1]))
+                med = float(np.median(ms[1:]))
+                print(f"  runs {runs} warps {warps}: {med:.3f} ms ({copy * 1e3 / med:.3f} x copy)")
+        for r, b in enumerate(d_bufs):
+            assert np.array_equal(b.host(), want[r]), f"destination rank {r} after the shapes"
     assert stats.bytes_moved == plan.bytes_moved
