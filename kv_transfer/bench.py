@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ class TransferResult:
     kernel_ms: float = 0.0  # host_local: the one launch alone (device events)
     drive_ms: float = 0.0  # host_local: inside the driver process (bind, upload, launch, wait)
     estimate_local_ms: float = 0.0
+    driver_in: str = ""  # host_local: "rank0" (decode rank 0's process) or "caller" (this one)
+    local_phases_ms: dict[str, float] = dc_field(default_factory=dict)  # checks, bind, pipes…
 
 
 def pool_for(
@@ -242,6 +245,8 @@ class PairRig:
             kernel_ms=round(res.kernel_ms, 3),
             drive_ms=round(res.drive_ms, 3),
             estimate_local_ms=round(choice.local_s * 1e3, 3) if choice else 0.0,
+            driver_in=res.driver_in,
+            local_phases_ms=dict(res.phases_ms),
         )
 
     def pool_stats(self) -> list[object]:

@@ -82,7 +82,7 @@ def results_table(title: str, rows: Sequence[bench.TransferResult]) -> Table:
             f"{r.src_tp}:{r.dst_tp}",
             f"{r.tokens:,}",
             (r.path if r.path == r.path_taken else f"{r.path}→{r.path_taken}")
-            + ("/local" if r.driver == "host_local" else ""),
+            + (f"/local@{r.driver_in}" if r.driver == "host_local" else ""),
             f"{r.bytes_moved / 1e6:,.1f}" + ("" if r.bytes_moved == r.bytes_minimum else " >min"),
             f"{r.descriptors:,}",
             f"{r.descriptors_on_wire:,}",
@@ -126,7 +126,9 @@ def report_goals(results: Sequence[bench.TransferResult], console: Console) -> N
                 f"goal plan + gather < {GOAL_PLAN_GATHER_MS} ms ({r.kv_dtype} "
                 f"{r.src_tp}:{r.dst_tp} {r.path}, host_local: no gather; plan + the whole "
                 f"pull): {r.plan_ms:.1f} + {r.transfer_ms:.1f} = {t:.1f} ms ({verdict}; "
-                f"inside the driver {r.drive_ms:.2f} ms, the launch {r.kernel_ms:.2f} ms)"
+                f"inside the driver {r.drive_ms:.2f} ms, the launch {r.kernel_ms:.2f} ms; "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r.local_phases_ms.items())
+                + ")"
             )
     for r in results:
         if r.memory == MemoryKind.VRAM.value and r.tokens == big and r.path_taken == "staged":

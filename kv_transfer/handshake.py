@@ -618,6 +618,8 @@ class PullResult:
     driver: str = host_local.RANKS  # who copied: each decode rank, or one host_local launch
     kernel_ms: float = 0.0  # host_local: the launch alone (device events)
     drive_ms: float = 0.0  # host_local: inside the driver (bind, upload, launch, wait)
+    driver_in: str = ""  # host_local: the process that drove ("rank0" or "caller")
+    phases_ms: dict[str, float] = field(default_factory=dict)  # host_local: see LocalPullStats
 
 
 class DecodeKVClient:
@@ -793,11 +795,16 @@ class DecodeKVClient:
             raise TransferTimeoutError(f"request {request_id}: deadline spent before reads")
         t1 = time.perf_counter()
         stats = cast(Any, self.group).drive_local(tables, agents, remaining)
-        seconds = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        seconds = t2 - t1
+        phases = {k: round(v * 1e3, 4) for k, v in stats.phases.items()}
+        if stats.entered:  # perf_counter is one clock for the processes of a host
+            phases["pipe_in"] = round((stats.entered - t1) * 1e3, 4)
+            phases["pipe_out"] = round((t2 - stats.left) * 1e3, 4)
         return PullResult(
             compact, plan_ms, seconds, stats.bytes_moved, False, TransferPath.DIRECT,
             compact.descriptors, 0, 0.0, seconds * 1e3, 0.0, 0, choice, 0.0,
-            host_local.DRIVER, stats.kernel_s * 1e3, stats.seconds * 1e3,
+            host_local.DRIVER, stats.kernel_s * 1e3, stats.seconds * 1e3, stats.where, phases,
         )  # fmt: skip
 
     def _stage_body(self, dst_pages: RequestPages, digest: str, round_: int) -> StageRequest:

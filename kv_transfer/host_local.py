@@ -28,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,6 +40,7 @@ from beamserve.kv_transfer.memory import Buffer, MemoryKind
 DRIVER = "host_local"
 RANKS = "ranks"
 DRIVERS = ("auto", RANKS, DRIVER)
+SPIN_S = 0.05  # poll the copy's event without sleeping this long (copies take ms), then sleep
 POLL_S = 50e-6
 
 
@@ -131,6 +132,13 @@ class LocalPullStats:
     kernel_s: float  # the launch alone (device events; 0 on the numpy engine)
     programs: int
     table_bytes: int
+    # Where the time went inside the driver (seconds): owner checks, bind, upload + launch
+    # call, wait; and when the pull entered and left the driver (time.perf_counter(), one
+    # clock for every process of a host), so a caller can tell its pipe from the driver.
+    phases: dict[str, float] = field(default_factory=dict)
+    entered: float = 0.0
+    left: float = 0.0
+    where: str = ""  # which process drove: "rank0" or "caller" (a RankGroup's), or ""
 
 
 @dataclass
@@ -223,6 +231,11 @@ class TritonEngine:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.runs, self.warps = kernels_shape()
+        # One pinned host buffer and one device buffer for tables, grown as needed: the upload
+        # is an asynchronous copy on the driver's stream, no allocation in a pull. Reused only
+        # after the previous launch finished (the driver waits for every launch).
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._dev = torch.empty(0, dtype=torch.int64, device=f"cuda:{device}")
 
     def launch(
         self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
@@ -230,8 +243,15 @@ class TritonEngine:
         from beamserve.kv_transfer import kernels
 
         torch = self._torch
+        n = len(table)
+        if self._host.numel() < n:
+            size = 1 << max(16, (n - 1).bit_length())
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._dev = torch.empty(size, dtype=torch.int64, device=f"cuda:{self.device}")
+        self._host[:n].numpy()[:] = table
         with torch.cuda.stream(self.stream):
-            dev = torch.from_numpy(table).to(f"cuda:{self.device}", non_blocking=False)
+            dev = self._dev[:n]
+            dev.copy_(self._host[:n], non_blocking=True)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
@@ -240,7 +260,6 @@ class TritonEngine:
                 self.runs, self.warps,
             )  # fmt: skip
             end.record(self.stream)
-        dev.record_stream(self.stream)
         return _CudaLaunch(start, end)
 
 
@@ -317,6 +336,7 @@ class HostLocalDriver:
         involved = [src_agents[r] for r in used_s] + [dst_agents[r] for r in used_d]
         self.connect(involved)
         self._check_owners(involved, "before")
+        t_check = time.perf_counter()
         s_bufs = {r: self._region(src_agents[r]) for r in used_s}
         d_bufs = {r: self._region(dst_agents[r]) for r in used_d}
         regions = list(s_bufs.values()) + list(d_bufs.values())
@@ -326,11 +346,13 @@ class HostLocalDriver:
         src_addrs = [s_bufs[r].addr if r in s_bufs else base.addr for r in range(len(src_agents))]
         dst_addrs = [d_bufs[r].addr if r in d_bufs else base.addr for r in range(len(dst_agents))]
         table = tables.bind(src_addrs, dst_addrs, base.addr)
+        t_bind = time.perf_counter()
         engine = self._engine_for(base)
         self._live += 1
         try:
             try:
                 launch = engine.launch(tables, table, regions, base)
+                t_launch = time.perf_counter()
                 while not launch.done():
                     if time.monotonic() >= deadline:
                         launch.wait()  # queued device work cannot be recalled
@@ -338,7 +360,9 @@ class HostLocalDriver:
                             "host_local: the copy was still running at the deadline (it "
                             "finished before this returned; raise the deadline)"
                         )
-                    time.sleep(POLL_S)
+                    if time.perf_counter() - t_launch > SPIN_S:
+                        time.sleep(POLL_S)
+                t_wait = time.perf_counter()
                 kernel_s = launch.kernel_s()
             except RuntimeError as exc:  # a CUDA error on a mapped region
                 raise PeerLostError(f"host_local: the device copy failed ({exc})") from exc
@@ -347,9 +371,17 @@ class HostLocalDriver:
         self._check_owners(involved, "during")
         self._pulls += 1
         self._bytes += tables.nbytes_moved
+        t_end = time.perf_counter()
+        phases = {
+            "checks": (t_check - t0) + (t_end - t_wait),
+            "bind": t_bind - t_check,
+            "launch": t_launch - t_bind,
+            "wait": t_wait - t_launch,
+        }
         return LocalPullStats(
-            tables.nbytes_moved, time.perf_counter() - t0, kernel_s, tables.programs, tables.nbytes
-        )
+            tables.nbytes_moved, t_end - t0, kernel_s, tables.programs, tables.nbytes,
+            phases, t0, t_end,
+        )  # fmt: skip
 
     def close(self) -> None:
         self._mapped.clear()

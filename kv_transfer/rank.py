@@ -7,6 +7,7 @@ is killed, so a caller never hangs on a stuck backend.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import time
@@ -212,7 +213,8 @@ class _Rank:
     ) -> host_local.LocalPullStats:
         if self._driver is None:
             self._driver = host_local.HostLocalDriver({self.info.name: self.buffer})
-        return self._driver.pull(tables, src_agents, dst_agents, time.monotonic() + deadline_s)
+        stats = self._driver.pull(tables, src_agents, dst_agents, time.monotonic() + deadline_s)
+        return dataclasses.replace(stats, where="rank0")
 
     def driver_stats(self) -> host_local.DriverStats | None:
         return None if self._driver is None else self._driver.stats()
@@ -318,6 +320,22 @@ def _portable(exc: BaseException) -> BaseException:
     return RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
+LOCAL_IN = ("rank0", "caller")
+
+
+def _caller_engine(device: int) -> str:
+    """The copy engine the host-local driver would use in this process (it starts CUDA)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "none (no CUDA in the calling process)"
+        torch.cuda.set_device(device)
+    except ImportError:
+        return "none (no torch in the calling process)"
+    return kernels.engine()
+
+
 class RankGroup:
     """The processes of one pool's TP group (one per rank), each with a registered KV region."""
 
@@ -329,11 +347,20 @@ class RankGroup:
         memory: MemoryKind = MemoryKind.DRAM,
         staging_bytes: int = 0,
         device: int = 0,
+        local_in: str | None = None,
     ) -> None:
         self.group, self.layout, self.backend = group, layout, backend
         self.memory, self.staging_bytes = MemoryKind(memory), staging_bytes
         self.device = device
-        self._engine0: str | None = None  # decode rank 0's copy engine, asked once
+        self._engine0: str | None = None  # the host-local driver's copy engine, asked once
+        # Where the host-local driver runs: in rank 0's process (a pipe round trip per pull)
+        # or in this, the calling process (no pipe; this process then holds a CUDA context).
+        self.local_in = local_in or os.environ.get("BEAMSERVE_KV_LOCAL_IN", "rank0") or "rank0"
+        if self.local_in not in LOCAL_IN:
+            raise KVTransferError(
+                f"BEAMSERVE_KV_LOCAL_IN: {self.local_in!r} unsupported; choose one of {LOCAL_IN}"
+            )
+        self._caller_driver: host_local.HostLocalDriver | None = None
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -414,15 +441,29 @@ class RankGroup:
         why = host_local.refusal([*peers, *self.infos], self.memory, self.device)
         if why is None:
             if self._engine0 is None:
-                self._engine0 = str(self.call([0], "copy_engine", lambda _r: (), 60.0)[0])
+                if self.local_in == "caller":
+                    self._engine0 = _caller_engine(self.device)
+                else:
+                    self._engine0 = str(self.call([0], "copy_engine", lambda _r: (), 60.0)[0])
             if self._engine0 != "triton":
-                why = f"host_local: needs the Triton copy engine; rank 0 runs {self._engine0}"
+                why = (
+                    f"host_local: needs the Triton copy engine; the driver ({self.local_in}) "
+                    f"runs {self._engine0}"
+                )
         return why
 
     def drive_local(
         self, tables: KernelTables, src_agents: Sequence[AgentInfo], deadline_s: float
     ) -> host_local.LocalPullStats:
-        """Rank 0 copies the whole request (one launch) into every rank of this group."""
+        """One launch copies the whole request into every rank of this group, from rank 0's
+        process or (`local_in` "caller") from this one."""
+        if self.local_in == "caller":
+            if self._caller_driver is None:
+                self._caller_driver = host_local.HostLocalDriver()
+            stats = self._caller_driver.pull(
+                tables, src_agents, self.infos, time.monotonic() + deadline_s
+            )
+            return dataclasses.replace(stats, where="caller")
         result: host_local.LocalPullStats = self.call(
             [0],
             "drive_local",
@@ -446,6 +487,9 @@ class RankGroup:
 
     def close(self, timeout_s: float = 30.0) -> list[AgentStats | None]:
         """Deregister every rank's memory and end the processes; returns final agent stats."""
+        if self._caller_driver is not None:
+            self._caller_driver.close()  # unmap the ranks' regions before they go
+            self._caller_driver = None
         final: list[AgentStats | None] = []
         for r, proc in enumerate(self._procs):
             if not proc.is_alive():

@@ -3,10 +3,12 @@
 #
 #   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|tests   (run by the `run` tool, repo root)
 #
-# `local` (≈ 8 min): the host-local driver (one process, one launch for every rank). First
-# 8:4 at 80K bf16 by every path, twice (driver auto: direct and auto take host_local), then
-# the same rig kind with BEAMSERVE_KV_DRIVER=ranks (the driver before it, same machine), then
-# the host-local GPU and CPU tests, then 4:8 8:8 1:1 and fp8 8:4 by auto. A CPU dry run here:
+# `local` (≈ 8 min): the host-local driver (one launch for every rank). First 8:4 at 80K bf16
+# by every path, twice (driver auto: direct and auto take host_local, driven from decode rank
+# 0's process), then direct and auto twice with the driver in the calling process
+# (BEAMSERVE_KV_LOCAL_IN=caller); with KV_RANKS=1 also BEAMSERVE_KV_DRIVER=ranks (the driver
+# before it, same machine); then the host-local GPU and CPU tests (KV_GPU_K: more of
+# test_gpu.py), then 4:8 8:8 1:1 and fp8 8:4 by auto (driver in KV_PAIRS_IN). A CPU dry run:
 #   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=nixl KV_TOKENS=2048 \
 #     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh local
 #
@@ -86,12 +88,15 @@ case "$MODE" in
       $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" 2>&1 \
         | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
     lbench kv-transfer-local --backend "$BACK" --tokens "$TOK" "$TOK" --pairs 8:4 --path direct staged auto
-    BEAMSERVE_KV_DRIVER=ranks lbench kv-transfer-local-ranks --backend "$BACK" --tokens "$TOK" \
-      --pairs 8:4 --path direct auto
+    BEAMSERVE_KV_LOCAL_IN=caller lbench kv-transfer-local-caller --backend "$BACK" \
+      --tokens "$TOK" "$TOK" --pairs 8:4 --path direct auto
+    if [ "${KV_RANKS:-0}" = 1 ]; then BEAMSERVE_KV_DRIVER=ranks lbench kv-transfer-local-ranks \
+      --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path direct auto; fi
     $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
-      "$REPO/tests/kv_transfer/test_gpu.py" -k "host_local or compact or cuda_ipc_pulls" \
+      "$REPO/tests/kv_transfer/test_gpu.py" -k "host_local or compact or ${KV_GPU_K:-cuda_ipc_pulls}" \
       "$REPO/tests/kv_transfer/test_compact.py" "$REPO/tests/kv_transfer/test_host_local.py" 2>&1 \
-      | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | grep -E 'host-local kernel|passed|failed|error|Error|SKIP' | tail -12
+      | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | grep -E 'host-local kernel|runs .* warps|passed|failed|error|Error|SKIP' | tail -14
+    export BEAMSERVE_KV_LOCAL_IN=${KV_PAIRS_IN:-rank0}
     lbench kv-transfer-local-pairs --backend "$BACK" --tokens "$TOK" --pairs 4:8 8:8 1:1 --path auto
     lbench kv-transfer-local-fp8 --backend "$BACK" --tokens "$TOK" --pairs 8:4 --kv-dtype fp8_e4m3 \
       --path auto ;;

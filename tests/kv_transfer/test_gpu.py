@@ -86,12 +86,20 @@ def test_copy_runs_on_vram_matches_host(row: int) -> None:
 
 class Rig:
     def __init__(
-        self, backend: str, src_tp: int, dst_tp: int, dtype: KVDtype, driver: str = "ranks"
+        self,
+        backend: str,
+        src_tp: int,
+        dst_tp: int,
+        dtype: KVDtype,
+        driver: str = "ranks",
+        local_in: str = "rank0",
     ) -> None:
         self.src, self.dst = layout(src_tp, dtype), layout(dst_tp, dtype)
         stage = 64 << 20
         self.prefill = RankGroup("prefill", self.src, backend, MemoryKind.VRAM, stage)
-        self.decode = RankGroup("decode", self.dst, backend, MemoryKind.VRAM, stage)
+        self.decode = RankGroup(
+            "decode", self.dst, backend, MemoryKind.VRAM, stage, local_in=local_in
+        )
         self.registry = PrefillKVRegistry(
             "prefill-gpu", self.src, backend, self.prefill.infos, stager=self.prefill,
             staging_bytes=stage, memory=MemoryKind.VRAM,
@@ -235,21 +243,35 @@ def _beam_pages(lay: PoolLayout, rng: np.random.Generator) -> RequestPages:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("src_tp", "dst_tp", "dtype"),
-    [(8, 4, KVDtype.BF16), (4, 8, KVDtype.FP8_E4M3), (1, 1, KVDtype.BF16)],
+    ("src_tp", "dst_tp", "dtype", "local_in"),
+    [
+        (8, 4, KVDtype.BF16, "rank0"),
+        (4, 8, KVDtype.FP8_E4M3, "rank0"),
+        (1, 1, KVDtype.BF16, "rank0"),
+        (8, 4, KVDtype.BF16, "caller"),
+    ],
 )
-def test_host_local_driver_pulls_vram(src_tp: int, dst_tp: int, dtype: KVDtype) -> None:
-    rig = Rig("cuda_ipc", src_tp, dst_tp, dtype, driver="auto")
+def test_host_local_driver_pulls_vram(
+    src_tp: int, dst_tp: int, dtype: KVDtype, local_in: str
+) -> None:
+    rig = Rig("cuda_ipc", src_tp, dst_tp, dtype, driver="auto", local_in=local_in)
     try:
         for path in (TransferPath.AUTO, TransferPath.DIRECT, TransferPath.AUTO):
             res = rig.pull_and_verify(path)
             assert res.driver == "host_local", res.choice
             assert res.path is TransferPath.DIRECT and res.kernel_ms > 0
+            assert res.driver_in == local_in and set(res.phases_ms) >= {"bind", "wait"}
         res = rig.pull_and_verify(TransferPath.STAGED)  # staging stays with the ranks
         assert res.driver == "ranks"
-        stats = rig.decode.call([0], "driver_stats", lambda _r: (), 30.0)[0]
+        if local_in == "caller":
+            driver = rig.decode._caller_driver
+            assert driver is not None
+            stats = driver.stats()
+            assert stats.mapped_regions == src_tp + dst_tp  # every region opened here
+        else:
+            stats = rig.decode.call([0], "driver_stats", lambda _r: (), 30.0)[0]
+            assert stats.mapped_regions == src_tp + dst_tp - 1  # rank 0's own is not opened
         assert stats.live_launches == 0 and stats.pulls == 3
-        assert stats.mapped_regions == src_tp + dst_tp - 1  # rank 0's own region is not opened
     finally:
         rig.close()
 

@@ -182,6 +182,9 @@ def test_driver_moves_exactly_the_plans_bytes(src_tp: int, dst_tp: int) -> None:
     assert stats.bytes_moved == plan.bytes_moved == t.nbytes_moved
     assert stats.programs == t.programs and stats.table_bytes == t.nbytes
     assert pools.dst_agents[0].name not in opened  # a process cannot open its own handle
+    assert set(stats.phases) == {"checks", "bind", "launch", "wait"}
+    assert stats.entered <= stats.left
+    assert stats.seconds == pytest.approx(stats.left - stats.entered)
     # Mapped once: a second pull opens nothing.
     n_opened = len(opened)
     driver.pull(t, pools.src_agents, pools.dst_agents, soon())
@@ -538,3 +541,15 @@ def test_client_prefill_rank_gone_is_a_lost_peer_and_forgotten(stand: Stand) -> 
         assert stand.registry.held() == []
     finally:
         client.close()
+
+
+def test_rank_group_refuses_an_unknown_driver_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from beamserve.kv_transfer.errors import KVTransferError
+    from beamserve.kv_transfer.rank import RankGroup
+
+    lay = pool_for(MODEL, 1, 64)
+    with pytest.raises(KVTransferError, match="rank0"):
+        RankGroup("decode", lay, "cma", local_in="elsewhere")  # refused before any process
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_IN", "gpu")
+    with pytest.raises(KVTransferError, match="caller"):
+        RankGroup("decode", lay, "cma")
