@@ -123,6 +123,7 @@ class RoutingCore:
         self.loads = loads if loads is not None else LoadBook(clock=clock)
         self.disaggregation = disaggregation
         self.open_dispatches = 0
+        self._last_decision_at = float("-inf")
         # `on_predict(worker, block_keys, ttl_s)` after each routing-time prediction written
         # into the index, with the blocks it added or refreshed (replica sync,
         # `beamserve.router.sync`, shares them with the peers).
@@ -199,10 +200,18 @@ class RoutingCore:
     ) -> RouteDecision:
         """Raises `beamserve.router.policy.NoCandidates` when no decode worker fits."""
         peers = self.loads.peers
+        now = self.clock()
+        since, self._last_decision_at = now - self._last_decision_at, now
         if peers is not None and not request.router_peers:
-            n = len(peers.fresh(self.clock()))
-            if n:
-                request = replace(request, router_peers=n)
+            fresh = peers.fresh(now)
+            if fresh:
+                me = peers.replica_id
+                request = replace(
+                    request,
+                    router_peers=len(fresh),
+                    router_rank=sorted([*fresh, me]).index(me),
+                    since_last_decision_s=since,
+                )
         views = self.views(request, endpoints, warm)
         decision = self.policy.route(request, [v for v in views if v.endpoint.can_decode])
         if self.disaggregation is not None:

@@ -163,6 +163,8 @@ NO_BOOKING = BookCounts()
 class PeerBooks(Protocol):
     """The other router replicas' books as this replica last heard them (`router.sync`)."""
 
+    replica_id: str  # this replica's own id (the peers are ranked with it)
+
     def counts(self, worker: str, now: float) -> BookCounts:
         """The sum of the fresh peers' books for `worker` (`NO_BOOKING`: none)."""
         ...

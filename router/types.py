@@ -206,8 +206,12 @@ class RouteRequest:
         default=None, compare=False, repr=False
     )
     # Other router replicas this one hears through replica sync (`RoutingCore.decide` fills
-    # it in): policies that break near-ties across replicas read it (`tie_window_s`).
+    # these in): how many, this replica's place among them and itself (ordered by replica id),
+    # and the seconds since this replica's previous routing decision. Policies that spread
+    # near-ties across replicas read them (`tie_window_s`, `burst_window_s`).
     router_peers: int = 0
+    router_rank: int = 0
+    since_last_decision_s: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)

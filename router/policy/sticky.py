@@ -14,7 +14,10 @@ uncached tokens, a partial hit recomputing its window tail, over the prefill rat
     no warm worker among the candidates:
         pick argmin_w ttft(w)  (ties — with router replicas in sync, every worker within
                                 `tie_window_s` of the least estimate — by a stable hash
-                                of the session/request id)
+                                of the session/request id; in a burst — with peers, this
+                                replica's previous decision under `burst_gap_s` ago — the
+                                workers within `burst_window_s` of the least, ranked by
+                                estimate, and replica r of the peers takes the r-th)
                                                         → reason "prefix" when the pick holds more
                                                           of the prompt than the worst candidate,
                                                           else "load"
@@ -45,6 +48,21 @@ arrivals share the very same instants, but from 1.14 to 1.24 once each arrival i
 U(0, 50 ms) — random picks among near-ties unbalance traffic that a synced view would have
 ordered. Set it where replicas see truly simultaneous bursts.
 
+Why a burst rank: when a burst reaches every replica at once, each decides its share on the
+same synced view before any peer's booking can reach it (the sync delay is a few ms). A
+replica's own picks in the burst see each other, its peers' do not, so all replicas would take
+the same least-loaded worker first. A replica cannot see its peers' arrivals, but it sees its
+own: when its previous decision was less than `burst_gap_s` ago (of the order of the sync
+delay), its peers are probably deciding too. Then it ranks the workers within
+`burst_window_s` of the least estimate and takes the one at its own rank among the replicas
+(ordered by replica id; `RouteRequest.router_rank`), so the replicas' first picks differ by
+construction — a hash of the request id (the tie window) collides with probability 1/k. The
+cost when the guess is wrong is one pick at most `burst_window_s` worse than the least. On the
+Mooncake conversation trace, 4 replicas (docs/bench/route.md, 3 replica draws each): max/mean
+load 1.19 → 1.09 on the first 3,000 lines, 1.18 → 1.14 on the held-out lines 3,001–6,000, and
+1.22 → 1.14 on the first 3,000 with arrivals spread by U(0, 50 ms); TTFT p90 lower on all three.
+A single router (no peers) is never affected.
+
 The no-warm case is Dynamo's cost rule in seconds
 (``cost = prefill blocks + decode load``), llm-d's "sticky until saturated" for the warm case.
 
@@ -59,6 +77,8 @@ window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 | `margin_ratio` | ``1.5`` | … and warm TTFT > this × best other's |
 | `move_cost` | ``1.0`` | … and the difference also > this × the move's recompute seconds |
 | `tie_window_s` | ``0.0`` | with replica-sync peers: estimates within this of the least tie (s) |
+| `burst_window_s` | ``0.1`` | with peers, in a burst: estimates this near the least rank (s) |
+| `burst_gap_s` | ``0.01`` | a burst: this replica's previous decision less than this ago (s) |
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
@@ -91,6 +111,8 @@ class StickyParams(TTFTParams):
     margin_ratio: float = Field(default=1.5, ge=1.0)
     move_cost: float = Field(default=1.0, ge=0.0)
     tie_window_s: float = Field(default=0.0, ge=0.0)
+    burst_window_s: float = Field(default=0.1, ge=0.0)
+    burst_gap_s: float = Field(default=0.01, ge=0.0)
 
 
 def should_leave_warm(
@@ -161,7 +183,18 @@ class StickyUntilSaturated:
         self, request: RouteRequest, views: Sequence[WorkerView], est: dict[str, TTFTEstimate]
     ) -> WorkerView:
         best = min(est[v.endpoint.id].seconds for v in views)
-        w = self.params.tie_window_s
+        p = self.params
+        if (
+            p.burst_window_s > 0
+            and request.router_peers > 0
+            and request.since_last_decision_s < p.burst_gap_s
+        ):
+            ranked = sorted(
+                (v for v in views if est[v.endpoint.id].seconds <= best + p.burst_window_s),
+                key=lambda v: (est[v.endpoint.id].seconds, v.endpoint.id),
+            )
+            return ranked[request.router_rank % len(ranked)]
+        w = p.tie_window_s
         window = w if w > 0 and request.router_peers > 0 else 1e-12
         tied = [v for v in views if est[v.endpoint.id].seconds <= best + window]
         return break_tie(request, tied)

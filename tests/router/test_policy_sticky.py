@@ -194,3 +194,41 @@ def test_near_equal_workers_are_tied_within_the_window_so_simultaneous_picks_spr
     assert picks(exact, views) == {"a"}
     # outside the window the cheapest wins whatever the id
     assert picks(spread, [view("a", prefill=0), view("b", prefill=2000)]) == {"a"}  # 0.2 s apart
+
+
+def test_replicas_in_a_burst_take_different_near_best_workers_by_their_rank() -> None:
+    # Four replicas decide one burst on the same synced view: each takes the worker at its own
+    # rank among those within `burst_window_s` (0.1 s) of the least estimate, so their first
+    # picks differ by construction instead of all landing on "a".
+    views = [view(w, prefill=p) for w, p in (("a", 0), ("b", 200), ("c", 350), ("d", 500))]
+    pol = StickyUntilSaturated(params=PARAMS)
+    assert (PARAMS.burst_window_s, PARAMS.burst_gap_s) == (0.1, 0.01)
+
+    def pick(rank: int, *, since: float = 0.0, peers: int = 3, vs: list | None = None) -> str:  # type: ignore[type-arg]
+        req = replace(
+            request(4096, session=None),
+            router_peers=peers, router_rank=rank, since_last_decision_s=since,
+        )  # fmt: skip
+        return pol.route(req, views if vs is None else vs).decode.id
+
+    assert [pick(r) for r in range(4)] == ["a", "b", "c", "d"]
+    assert pick(5) == "b"  # more replicas than near-best workers: the ranks wrap
+    # not a burst (this replica's previous decision 20 ms ago), or no peers: the least
+    assert {pick(r, since=0.02) for r in range(4)} == {"a"}
+    assert {pick(r, peers=0) for r in range(4)} == {"a"}
+    # a worker outside the window is never taken for the rank's sake
+    far = [view("a", prefill=0), view("b", prefill=2000)]  # 0.2 s apart
+    assert {pick(r, vs=far) for r in range(4)} == {"a"}
+    # the burst window off: the least, as before
+    off = StickyUntilSaturated(params=PARAMS.model_copy(update={"burst_window_s": 0.0}))
+    req = replace(request(4096, session=None), router_peers=3, router_rank=2)
+    assert replace(req, since_last_decision_s=0.0).router_rank == 2
+    assert off.route(replace(req, since_last_decision_s=0.0), views).decode.id == "a"
+
+
+def test_a_warm_session_stays_put_in_a_burst() -> None:
+    # The rank applies to placing work that has no warm worker; a continuing turn in a burst
+    # still stays on its warm worker (the margins decide, as always).
+    views = [view("a", prefill=300), view("b", prefill=0, blocks=100, warm=True), view("c")]
+    req = replace(request(8192), router_peers=3, router_rank=2, since_last_decision_s=0.0)
+    assert policy().route(req, views).decode.id == "b"

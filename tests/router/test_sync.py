@@ -364,9 +364,9 @@ class Bus:
             due[0][2]()
         self.now = end
 
-    def add(self, name: str) -> tuple[ReplicaSync, RoutingCore]:
+    def add(self, name: str, policy: str = "least-load") -> tuple[ReplicaSync, RoutingCore]:
         clock = lambda: self.now  # noqa: E731
-        core = RoutingCore(build_policy("least-load"), clock=clock, config=CoreConfig())
+        core = RoutingCore(build_policy(policy), clock=clock, config=CoreConfig())
         k = len(self.members)
         bus = self
 
@@ -415,6 +415,32 @@ def test_a_replicas_booking_and_prediction_reach_its_peer_within_flush_plus_lag(
     assert core_b.loads.load("w0").foreign_prefill_tokens == 50
     bus.advance(3.1)
     assert core_b.loads.load("w0").foreign_prefill_tokens == 0
+
+
+def test_replicas_deciding_one_burst_on_the_same_view_spread_it_by_their_rank() -> None:
+    # Four synced replicas (the default policy) each get three new requests at the same
+    # instant, before any booking can travel. A replica's first pick is no burst yet (its
+    # previous decision is long past): all four take the least-loaded worker. From its second
+    # pick on, the replica is in a burst and takes the worker at its own rank among the near-
+    # best, so the four second picks land on four workers, where the least estimate alone
+    # would herd them onto one again.
+    bus = Bus()
+    members = [bus.add(n, "sticky-until-saturated") for n in "abcd"]
+    eps = [Endpoint(f"w{i}", f"sim://w{i}") for i in range(8)]
+    for i, ep in enumerate(eps):  # w0 least loaded, then w1, …: one least, no exact tie
+        members[0][1].loads.start(ep.id, 100 * i, 100 * i)
+    for sync, _ in members:
+        sync.tick()  # a heartbeat: every replica hears the other three
+    bus.advance(0.1)
+    picks: list[list[str]] = []
+    for k, (_, core) in enumerate(members):
+        picks.append([])
+        for j in range(3):
+            d = core.open(RouteRequest(f"r{k}-{j}", 4096, block_hashes=(1000 * k + j,)))
+            picks[k].append(core.route(d, eps).decode.id)
+    assert {p[0] for p in picks} == {"w0"}
+    assert len({p[1] for p in picks}) == 4, picks
+    assert len({p[2] for p in picks}) == 4, picks
 
 
 def test_a_garbled_message_is_counted_and_skipped() -> None:
