@@ -19,7 +19,8 @@ after the copy, is a `PeerLostError` (the dead region is unmapped); a copy still
 deadline is waited out (queued device work cannot be recalled) and raised as
 `TransferTimeoutError`; a CUDA error is a `PeerLostError`. Owners are read from the region's
 cuda_ipc metadata (`host_identity`: boot id, pid, pid namespace); a pid is checked only where it
-is in this process's pid namespace.
+is in this process's pid namespace (one `kill(pid, 0)`: a zombie — exited, not yet reaped by
+its parent — counts as alive until it is reaped).
 """
 
 from __future__ import annotations
@@ -62,11 +63,16 @@ def boot_id() -> str:
         return ""
 
 
+_PID_NS: list[str] = []  # this process's pid namespace (it never changes), read once
+
+
 def _pid_ns() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
+    if not _PID_NS:
+        try:
+            _PID_NS.append(os.readlink("/proc/self/ns/pid"))
+        except OSError:
+            _PID_NS.append("")
+    return _PID_NS[0]
 
 
 def host_identity() -> dict[str, Any]:
@@ -91,10 +97,19 @@ def region_owner(info: AgentInfo) -> RegionOwner | None:
         return None
 
 
-def owner_alive(owner: RegionOwner) -> bool:
+def owner_alive(owner: RegionOwner, thorough: bool = False) -> bool:
     """False only where the owner is provably gone: its pid is in our pid namespace and no
-    longer runs (exited, or a zombie not yet reaped)."""
+    longer exists. One `kill(pid, 0)` (a pull checks every region twice: this is its cost);
+    `thorough` also reads /proc to call a zombie (exited, not yet reaped) gone."""
     if owner.pid_ns != _pid_ns() or not owner.pid_ns:
+        return True
+    try:
+        os.kill(owner.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    if not thorough:
         return True
     try:
         with open(f"/proc/{owner.pid}/stat") as f:

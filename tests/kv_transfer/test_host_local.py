@@ -329,6 +329,13 @@ def test_owner_liveness() -> None:
     assert owner_alive(RegionOwner(me["boot_id"], me["pid"], me["pid_ns"]))
     gone = dead_owner()
     assert not owner_alive(RegionOwner(gone["boot_id"], gone["pid"], gone["pid_ns"]))
+    zombie = subprocess.Popen(["sleep", "30"])
+    zombie.kill()
+    time.sleep(0.2)  # exited, not reaped: the fast check cannot tell, the thorough one can
+    z = RegionOwner(me["boot_id"], zombie.pid, me["pid_ns"])
+    assert owner_alive(z) and not owner_alive(z, thorough=True)
+    zombie.wait()
+    assert not owner_alive(z)
     # Another pid namespace: its pids say nothing here, so the owner is taken as alive.
     assert owner_alive(RegionOwner(gone["boot_id"], gone["pid"], "pid:[1]"))
 
