@@ -71,10 +71,10 @@ LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
     # memory: a descriptor costs an index, not a launch. Fixed costs from the H200 runs of
     # 2026-12-01 (docs/kv-transfer.md): a direct pull through the four decode rank processes
     # took 6.8–11.9 ms for ≈ 1.5 ms of copies (≈ 5 ms fixed); a stage call 8.6–10 ms. The
-    # host-local driver's fixed cost (one pipe round trip, a 260 KB table upload, one launch)
-    # is an estimate, ≈ 0.5 ms.
+    # host-local driver's fixed cost, measured 2026-12-02 as pull minus launch: 1.2–2.0 ms
+    # driven from decode rank 0 (the pipe round trip is most of it), 0.5–0.8 ms from the caller.
     (MemoryKind.VRAM, "cuda_ipc"): LinkModel(
-        2e-9, 1.5e12, 1.5e12, round_trip_s=8e-3, direct_fixed_s=5e-3, local_fixed_s=0.5e-3
+        2e-9, 1.5e12, 1.5e12, round_trip_s=8e-3, direct_fixed_s=5e-3, local_fixed_s=1.5e-3
     ),
 }
 
