@@ -37,6 +37,12 @@ REVIEWED_SKIPS = {
     # the piece table it runs is tested without Triton in the same module, and the kernel
     # itself runs on the GPU through test_gpu.py (docs/kv-transfer.md, "third round").
     "tests/kv_transfer/test_kernels.py": 1,
+    # The same for the host-local driver's one-launch kernel (`kernels.launch_compact`): the
+    # compact plan it reads is tested without Triton in the module; the kernel on the GPU.
+    "tests/kv_transfer/test_compact.py": 1,
+    # Only on a host with RDMA devices, where UCX keeps its InfiniBand modules: the exit crash
+    # it checks for cannot be avoided by leaving them out there (none of these machines has one).
+    "tests/kv_transfer/test_nixl_exit.py": 1,
 }
 SKIP_CALL = re.compile(r"pytest\.skip\(|pytest\.mark\.skip(if)?\b|pytest\.importorskip\(|skipif\(")
 
