@@ -54,19 +54,14 @@ from beamserve.kv_transfer.host_local import (
     refusal,
 )
 from beamserve.kv_transfer.memory import Buffer, MemoryKind, copy_runs
-from beamserve.kv_transfer.model import BeamModelConfig, beam_1_0, beam_layer_types
+from beamserve.kv_transfer.model import beam_1_0
 from beamserve.kv_transfer.plan import plan_transfer
 from beamserve.kv_transfer.staging import stage_plan
 from beamserve.kv_transfer.topology import PoolLayout, RequestPages
 
-MODEL = BeamModelConfig(
-    num_hidden_layers=6,
-    layer_types=beam_layer_types(6, full_every=3),
-    sliding_window=48,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=8,
-)
+from tests.kv_transfer.small_model import beam_small
+
+MODEL = beam_small(head_dim=8)
 SEQ_LEN = 200
 SEED, SENTINEL = 31, 0x51
 

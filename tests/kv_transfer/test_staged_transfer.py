@@ -24,7 +24,6 @@ from beamserve.kv_transfer.handshake import (
     StageResponse,
     build_handshake_app,
 )
-from beamserve.kv_transfer.model import BeamModelConfig, beam_layer_types
 from beamserve.kv_transfer.plan import bytes_minimum
 from beamserve.kv_transfer.rank import RankGroup
 from beamserve.kv_transfer.staging import stage_plan
@@ -36,16 +35,11 @@ from beamserve.kv_transfer.topology import (
     pages_needed,
 )
 
+from tests.kv_transfer.small_model import beam_small
+
 pytestmark = pytest.mark.integration
 
-MODEL = BeamModelConfig(
-    num_hidden_layers=6,
-    layer_types=beam_layer_types(6, full_every=3),
-    sliding_window=48,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=8,
-)
+MODEL = beam_small(head_dim=8)
 PAGE = 16
 SEQ_LEN = 1500
 STAGING = 256 << 10  # per rank: small, so a pull takes several rounds

@@ -36,7 +36,6 @@ from beamserve.kv_transfer.handshake import (
     build_handshake_app,
     published_checksums,
 )
-from beamserve.kv_transfer.model import BeamModelConfig, beam_layer_types
 from beamserve.kv_transfer.plan import bytes_minimum
 from beamserve.kv_transfer.rank import RankGroup
 from beamserve.kv_transfer.topology import (
@@ -49,18 +48,9 @@ from beamserve.kv_transfer.topology import (
     pages_needed,
 )
 
+from tests.kv_transfer.small_model import beam_small
+
 pytestmark = pytest.mark.integration
-
-
-def beam_small(head_dim: int = 4, window: int = 48, kv_heads: int = 8) -> BeamModelConfig:
-    return BeamModelConfig(
-        num_hidden_layers=6,
-        layer_types=beam_layer_types(6, full_every=3),
-        sliding_window=window,
-        num_attention_heads=2 * kv_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-    )
 
 
 MODEL = beam_small()

@@ -28,7 +28,6 @@ from beamserve.kv_transfer.handshake import (
     build_handshake_app,
     published_checksums,
 )
-from beamserve.kv_transfer.model import BeamModelConfig, beam_layer_types
 from beamserve.kv_transfer.plan import bytes_minimum
 from beamserve.kv_transfer.rank import RankGroup
 from beamserve.kv_transfer.topology import (
@@ -41,17 +40,12 @@ from beamserve.kv_transfer.topology import (
     pages_needed,
 )
 
+from tests.kv_transfer.small_model import beam_small
+
 pytestmark = pytest.mark.integration
 
 # Beam-shaped but small: 6 layers (full attention at 2 and 5), GQA 16/8, 32-byte rows.
-MODEL = BeamModelConfig(
-    num_hidden_layers=6,
-    layer_types=beam_layer_types(6, full_every=3),
-    sliding_window=48,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=16,
-)
+MODEL = beam_small(head_dim=16)
 WINDOW = MODEL.sliding_window
 PAGE = 16
 FULL_PAGES = 48  # room for two requests of up to 384 tokens
