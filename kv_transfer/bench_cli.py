@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,20 @@ GOAL_PLAN_GATHER_MS = 5.0
 
 
 def bench_kv_main(args: argparse.Namespace, console: Console) -> int:
+    if args.driver is not None:  # the decode client and its rank processes read it
+        os.environ["BEAMSERVE_KV_DRIVER"] = args.driver
     memory = parse_memory(args.memory)
     paths = [parse_path(p) for p in args.path]
     dtypes = [KVDtype(d) for d in args.kv_dtype]
     backends = list(args.backend)
     if memory is MemoryKind.VRAM and backends == ["nixl", "mooncake", "cma"]:
         backends = ["cuda_ipc"]  # the default list is the DRAM one
+    if args.driver == "host_local" and (memory is not MemoryKind.VRAM or backends != ["cuda_ipc"]):
+        console.print(
+            "[red]--driver host_local drives CUDA IPC-mapped VRAM only: use it with "
+            "--memory vram --backend cuda_ipc (or --driver auto / ranks)[/red]"
+        )
+        return 2
     results: list[bench.TransferResult] = []
     total = len(backends) * len(dtypes) * len(args.pairs) * len(args.tokens) * len(paths)
     with Progress(

@@ -41,12 +41,25 @@ def test_help_lists_the_commands(beamserve: RunBeamserve) -> None:
         (["bench", "kv-transfer", "--pairs", "8x4"], "PREFILL_TP:DECODE_TP"),
         (["bench", "kv-transfer", "--tokens", "0"], "positive integer"),
         (["bench", "kv-transfer", "--backend", "rdma"], "invalid choice"),
+        (["bench", "kv-transfer", "--driver", "gpu"], "invalid choice"),
     ],
 )
 def test_bad_arguments_name_the_flag(beamserve: RunBeamserve, args: list[str], needle: str) -> None:
     out = beamserve(*args)
     assert out.returncode == 2
     assert needle in out.stderr
+
+
+def test_the_host_local_driver_on_host_memory_is_refused_naming_the_fix(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    out = beamserve(
+        "bench", "kv-transfer", "--tokens", "100", "--pairs", "2:1", "--backend", "cma",
+        "--driver", "host_local", "--json", str(tmp_path / "kv.json"),
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--memory vram --backend cuda_ipc" in out.stdout
+    assert not (tmp_path / "kv.json").exists()
 
 
 @pytest.mark.integration

@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct, staged (gather/one descriptor per chunk/scatter), auto (cost model)",
     )
     kv.add_argument(
+        "--driver",
+        choices=("auto", "ranks", "host_local"),
+        default=None,
+        help="who drives a pull's reads: ranks (each decode rank its own), host_local (one "
+        "launch over every rank's CUDA IPC-mapped region, one-host VRAM only), auto (the cost "
+        "model; default, or BEAMSERVE_KV_DRIVER)",
+    )
+    kv.add_argument(
         "--kv-dtype", nargs="+", choices=("bf16", "fp8_e4m3"), default=["bf16"], metavar="DTYPE"
     )
     kv.add_argument(
