@@ -93,6 +93,9 @@ from redis.exceptions import RedisError
 
 log = structlog.get_logger(__name__)
 
+# Each step of closing the transport: a shutdown never hangs on Redis.
+CLOSE_TIMEOUT_S = 5.0
+
 MAGIC = b"BSY1"
 _U32_MAX = (1 << 32) - 1
 _U64_MASK = (1 << 64) - 1
@@ -738,20 +741,25 @@ class RedisSyncTransport:
                 self._went_down("subscribe", exc)
             finally:
                 self.subscribed = False
+                # bounded: a close must not hold the task (and a shutdown) on a dead socket
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT_S)  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max_s)
 
     async def aclose(self) -> None:
+        """Stop both tasks and close the client, each step bounded by `CLOSE_TIMEOUT_S`: a
+        shutdown never hangs on Redis (a task still stuck then is left to the loop's end)."""
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=CLOSE_TIMEOUT_S)
+            if stuck:
+                names = sorted(t.get_name() for t in stuck)
+                log.warning("router.replica_sync_close_stuck", tasks=names)
         self._tasks = []
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            await asyncio.wait_for(self._redis.aclose(), CLOSE_TIMEOUT_S)
 
 
 class RedisReplicaSync:
