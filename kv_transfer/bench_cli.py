@@ -14,8 +14,9 @@ from beamserve.kv_transfer.cost import TransferPath, parse_path
 from beamserve.kv_transfer.memory import MemoryKind, parse_memory
 from beamserve.kv_transfer.topology import KVDtype
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from beamserve.log import progress_bar
 
 GOAL_RATIO = 0.8
 GOAL_PLAN_GATHER_MS = 5.0
@@ -38,13 +39,7 @@ def bench_kv_main(args: argparse.Namespace, console: Console) -> int:
         return 2
     results: list[bench.TransferResult] = []
     total = len(backends) * len(dtypes) * len(args.pairs) * len(args.tokens) * len(paths)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("kv-transfer", total=total)
         for r in bench.run_bench(
             args.tokens,

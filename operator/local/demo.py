@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from beamserve.log import progress_bar
 
 PROMPT_BUDGET = 3000
 """Tokens the longest replayed prompt may have (the tiny Beam's context is 4,096)."""
@@ -351,13 +352,7 @@ async def run_demo(
         f"{words} word(s) of text, so the longest turn fits {PROMPT_BUDGET:,} of the tiny "
         "Beam's 4,096 tokens"
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with progress_bar(console) as progress:
         n_procs = 3
         task = progress.add_task(f"starting {spec.name}", total=n_procs)
 
@@ -376,13 +371,7 @@ async def run_demo(
         console.print(status_table(str(state["name"]), await scrape(state), stack.router_url))
         client = AsyncOpenAI(base_url=stack.router_url + "/v1", api_key="local", max_retries=0)
         results: list[TurnResult] = []
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
+        with progress_bar(console) as progress:
             task = progress.add_task("replaying", total=len(workload))
             talks: dict[str, Conversation] = {}
             for turn in workload:
