@@ -165,10 +165,7 @@ class RouterRuntime:
             )
             self.core.on_predict = self.sync.predicted
             # Flow-control room moves between replicas (`FlowController`, "Several replicas").
-            self.flow.on_spare_room = self.sync.sync.offer_room
-            self.flow.on_continuing_queued = self.sync.sync.queue_changed
-            self.flow.peers_busy = self.sync.sync.peers_busy
-            self.sync.sync.on_grant = self.flow.grant_room
+            self.sync.sync.attach_flow(self.flow)
             self.sessions.on_down = self.sync.redis_lost
 
     def endpoints(self) -> list[Endpoint]:

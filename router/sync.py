@@ -17,7 +17,17 @@ What a replica publishes (one `SyncMessage` per flush, `encode_message`)::
         and the flow-control *room* it hands to peers since the last flush: (peer, tokens) —
         room freed by a completion while the pool is saturated that nothing queued at this
         replica can use goes to the peers with continuing turns queued, split evenly
-        (`ReplicaSync.offer_room`; `beamserve.router.flow.controller`, "Several replicas").
+        (`ReplicaSync.offer_room`; `beamserve.router.flow.controller`, "Several replicas");
+    (d) its *banked* room (room freed here during the saturated spell and not yet used,
+        absolute), and per peer two running totals: the room it has *claimed* from that peer
+        (borrowed, to dispatch a turn its own room did not cover) and the peer's claims it has
+        *applied* (taken out of its own room). A replica may borrow what a peer reported
+        banked minus its own claims the peer has not yet applied (`SyncState.borrowable`), so
+        the pool's room serves a turn wherever it arrives, as one router's room would;
+    (e) how long the item it would dispatch next in the ``new`` and ``sheddable`` bands has
+        waited (ms, as of the flush), so that when the pool has room for one more session the
+        replica holding the one that has waited longest takes it, as one router's queue would
+        (`SyncState.older_heads`; `beamserve.router.flow.controller`, "Several replicas").
 
 State-based and idempotent: a message carries absolute counts, never increments, and per
 (peer, worker) the highest sequence number wins (a full message counts as naming every
@@ -37,15 +47,27 @@ Predictions received go into the replica's `PrefixIndex.predict` with their ttl.
 Wire format (`encode_message` / `decode_message`, little-endian; a heartbeat of 8 workers is
 ≈ 250 bytes, a 30K-token prompt's prediction ≈ 3.8 KB: 8 bytes per block)::
 
-    b"BSY1" | u8 flags (1: full) | u64 seq | str replica
+    b"BSY2" | u8 flags (1: full) | u64 seq | str replica
     u16 n × (str worker | 5 × u32 prefill_tokens, decode_tokens, prefilling, decoding, in_flight)
     u16 n × (str worker | u32 ttl_ms | u32 k | k × u64 block hash (its low 64 bits))
     u32 continuing turns queued | u16 n × (str peer replica | u32 room tokens)
+    u32 banked room | u16 n × (str peer | u64 claimed total)
+    u16 n × (str peer | u64 applied total)
+    u8 n × (u8 band index in BANDS | u32 waited ms)
     str = u16 length + UTF-8
+
+A ``BSY1`` message (a replica of the release before, which has no (d) and (e)) is still
+read: it banks nothing, claims nothing and has nothing queued ahead, so during a rolling
+update the two versions share books, predictions and grants (a replica of the release before
+refuses ``BSY2``, logged once: it routes on its own book and the scrapes until it is
+replaced).
 
 Room grants are the one part that is not state: a lost message loses its room (the pool
 keeps its pace a little lower until the next completions), and room resets with every
-saturated spell anyway.
+saturated spell anyway. Claims are state: running totals, so a lost or repeated message
+neither loses nor doubles a claim (the next one carries the total). Two replicas may borrow
+the same banked room before either claim arrives (a sync delay apart); the lender's room then
+goes below zero and its next releases repay it, so the pool's room is kept, late.
 
 Transport (`RedisSyncTransport`): Redis pub/sub on the Redis the replicas already share for
 sessions (channel ``{session key prefix without ':'}-sync``, `sync_channel`), publishing from a
@@ -83,20 +105,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis.asyncio as aioredis
 import structlog
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import NO_BOOKING, BookCounts, LoadBook
+from beamserve.router.types import BANDS, Band
 from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from beamserve.router.flow.controller import FlowController
 
 log = structlog.get_logger(__name__)
 
 # Each step of closing the transport: a shutdown never hangs on Redis.
 CLOSE_TIMEOUT_S = 5.0
 
-MAGIC = b"BSY1"
+MAGIC = b"BSY2"
+MAGIC_V1 = b"BSY1"  # the release before: no banked room, no claims (module docstring)
 _U32_MAX = (1 << 32) - 1
 _U64_MASK = (1 << 64) - 1
 _HEAD = struct.Struct("<4sBQ")
@@ -104,6 +131,8 @@ _U16 = struct.Struct("<H")
 _BOOK = struct.Struct("<5I")
 _PRED = struct.Struct("<II")
 _U32S = struct.Struct("<I")
+_U64S = struct.Struct("<Q")
+_HEAD_AGE = struct.Struct("<BI")
 
 
 class SyncError(ValueError):
@@ -151,6 +180,10 @@ class SyncMessage:
     predictions: tuple[Prediction, ...] = ()
     queued: int = 0  # continuing turns in this replica's flow-control queue
     grants: tuple[tuple[str, int], ...] = ()  # (peer replica, room tokens)
+    room: int = 0  # banked flow-control room (tokens, ≥ 0)
+    claims: tuple[tuple[str, int], ...] = ()  # (peer, total room claimed from it)
+    applied: tuple[tuple[str, int], ...] = ()  # (peer, total of its claims taken from `room`)
+    heads: tuple[tuple[Band, int], ...] = ()  # (band, ms its next queued item has waited)
 
 
 # --- wire format ---------------------------------------------------------------------------------
@@ -195,6 +228,15 @@ def encode_message(msg: SyncMessage) -> bytes:
     for peer, tokens in msg.grants:
         _put_str(out, peer)
         out.append(_U32S.pack(_u32(tokens)))
+    out.append(_U32S.pack(_u32(msg.room)))
+    for totals in (msg.claims, msg.applied):
+        out.append(_U16.pack(len(totals)))
+        for peer, total in totals:
+            _put_str(out, peer)
+            out.append(_U64S.pack(max(total, 0) & _U64_MASK))
+    out.append(bytes((len(msg.heads),)))
+    for band, waited_ms in msg.heads:
+        out.append(_HEAD_AGE.pack(BANDS.index(band), _u32(waited_ms)))
     return b"".join(out)
 
 
@@ -227,7 +269,7 @@ def decode_message(data: bytes) -> SyncMessage:
     """The message `encode_message` wrote; raises `SyncError` for anything else."""
     r = _Reader(bytes(data))
     magic, flags, seq = r.unpack(_HEAD)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_V1):
         raise SyncError(f"not a replica sync message (starts {magic!r}, expected {MAGIC!r})")
     replica = r.text()
     (n,) = r.unpack(_U16)
@@ -248,10 +290,33 @@ def decode_message(data: bytes) -> SyncMessage:
     for _ in range(n):
         peer = r.text()
         grants.append((peer, r.unpack(_U32S)[0]))
+    room = 0
+    lists: list[tuple[tuple[str, int], ...]] = [(), ()]
+    heads: list[tuple[Band, int]] = []
+    if magic == MAGIC:
+        (room,) = r.unpack(_U32S)
+        for i in range(2):
+            (n,) = r.unpack(_U16)
+            lists[i] = tuple((r.text(), r.unpack(_U64S)[0]) for _ in range(n))
+        for _ in range(r.take(1)[0]):
+            band_at, waited_ms = r.unpack(_HEAD_AGE)
+            if band_at >= len(BANDS):
+                raise SyncError(f"sync message names band {band_at}; there are {len(BANDS)}")
+            heads.append((BANDS[band_at], waited_ms))
     if r.at != len(r.data):
         raise SyncError(f"sync message has {len(r.data) - r.at} bytes after its end")
     return SyncMessage(
-        replica, seq, bool(flags & 1), tuple(books), tuple(preds), queued, tuple(grants)
+        replica,
+        seq,
+        bool(flags & 1),
+        tuple(books),
+        tuple(preds),
+        queued,
+        tuple(grants),
+        room,
+        lists[0],
+        lists[1],
+        tuple(heads),
     )
 
 
@@ -265,6 +330,9 @@ class _Peer:
     books: dict[str, tuple[int, BookCounts]] = field(default_factory=dict)  # worker → (seq, …)
     queued: int = 0  # its continuing turns queued, as of `queued_seq`
     queued_seq: int = 0
+    room: int = 0  # its banked room, as of `queued_seq`
+    applied: int = 0  # how much of this replica's claims on it it has applied, as of then
+    heads: dict[Band, float] = field(default_factory=dict)  # band → since (local clock)
 
 
 def default_replica_id() -> str:
@@ -292,6 +360,13 @@ class SyncState:
         self.queued = 0  # own continuing turns queued (in every message)
         self._queued_dirty = False
         self._grants: dict[str, int] = {}
+        self.room = 0  # own banked flow-control room (in every message)
+        self._claimed: dict[str, int] = {}  # peer → room claimed from it, running total
+        self._applied: dict[str, int] = {}  # peer → its claims on this replica, applied
+        self._debit = 0  # claims applied by `receive` and not yet taken (`take_debit`)
+        self._ledger_heard: dict[str, float] = {}  # peer → last heard, for the two totals
+        self._flow_dirty = False
+        self._heads: dict[Band, float] = {}  # band → since when its next queued item waits
         self._totals: dict[str, BookCounts] | None = None
         self._totals_until = -math.inf  # the first instant a peer counted in `_totals` goes stale
 
@@ -317,6 +392,57 @@ class SyncState:
         if tokens > 0:
             self._grants[peer] = self._grants.get(peer, 0) + tokens
 
+    def set_room(self, tokens: int) -> None:
+        """The own banked room (sent when it changed; below zero is sent as 0)."""
+        tokens = max(tokens, 0)
+        if tokens != self.room:
+            self.room = tokens
+            self._flow_dirty = True
+
+    def claim(self, peer: str, tokens: int) -> None:
+        """Borrow `tokens` of `peer`'s banked room (the claim's total goes out next)."""
+        if tokens > 0:
+            self._claimed[peer] = self._claimed.get(peer, 0) + tokens
+            self._flow_dirty = True
+
+    def borrowable(self, now: float) -> list[tuple[str, int]]:
+        """Room each fresh peer could lend now, most first: what it last reported banked,
+        less this replica's claims on it that it had not applied by then."""
+        stale = self.params.peer_stale_after_s
+        out = []
+        for r, p in self._peers.items():
+            if now - p.heard > stale or p.room <= 0:
+                continue
+            free = p.room - max(self._claimed.get(r, 0) - p.applied, 0)
+            if free > 0:
+                out.append((r, free))
+        out.sort(key=lambda rt: (-rt[1], rt[0]))
+        return out
+
+    def set_head(self, band: Band, since: float | None) -> None:
+        """When the item this replica would dispatch next in `band` was queued (None: none
+        queued); sent when it changed, as the time waited by the flush."""
+        if self._heads.get(band) != since:
+            if since is None:
+                self._heads.pop(band, None)
+            else:
+                self._heads[band] = since
+            self._flow_dirty = True
+
+    def older_heads(self, band: Band, since: float, now: float) -> int:
+        """How many fresh peers have a `band` item queued since before `since`."""
+        stale = self.params.peer_stale_after_s
+        return sum(
+            1
+            for p in self._peers.values()
+            if now - p.heard <= stale and p.heads.get(band, math.inf) < since
+        )
+
+    def take_debit(self) -> int:
+        """Room the peers' claims took from this replica since the last call."""
+        debit, self._debit = self._debit, 0
+        return debit
+
     def waiting_peers(self, now: float) -> list[tuple[str, int]]:
         """Fresh peers with continuing turns queued: (replica, how many), by replica id."""
         stale = self.params.peer_stale_after_s
@@ -327,7 +453,13 @@ class SyncState:
     @property
     def pending(self) -> bool:
         """Something changed since the last flush."""
-        return bool(self._dirty or self._predictions or self._queued_dirty or self._grants)
+        return bool(
+            self._dirty
+            or self._predictions
+            or self._queued_dirty
+            or self._grants
+            or self._flow_dirty
+        )
 
     def flush_at(self, now: float) -> float | None:
         """When the next (coalesced) flush is due; None: nothing pending."""
@@ -362,9 +494,21 @@ class SyncState:
         self._dirty.clear()
         self._predictions.clear()
         self._grants.clear()
-        self._queued_dirty = False
+        self._queued_dirty = self._flow_dirty = False
         self.last_flush = now
-        return SyncMessage(self.replica_id, self.seq, full, books, preds, self.queued, grants)
+        return SyncMessage(
+            self.replica_id,
+            self.seq,
+            full,
+            books,
+            preds,
+            self.queued,
+            grants,
+            self.room,
+            tuple(sorted(self._claimed.items())),
+            tuple(sorted(self._applied.items())),
+            tuple((b, round((now - t) * 1000)) for b, t in self._heads.items()),
+        )
 
     # --- inbound ---------------------------------------------------------------------------------
     def receive(self, msg: SyncMessage, now: float) -> tuple[Prediction, ...]:
@@ -381,8 +525,18 @@ class SyncState:
             old = books.get(worker)
             if seq > (old[0] if old is not None else peer.full_seq):
                 books[worker] = (seq, counts)
+        self._ledger_heard[msg.replica] = now
         if seq > peer.queued_seq:
-            peer.queued, peer.queued_seq = msg.queued, seq
+            peer.queued, peer.queued_seq, peer.room = msg.queued, seq, msg.room
+            peer.heads = {b: now - ms / 1000.0 for b, ms in msg.heads}
+            me = self.replica_id
+            peer.applied = next((t for r, t in msg.applied if r == me), 0)
+            total = next((t for r, t in msg.claims if r == me), 0)
+            done = self._applied.get(msg.replica, 0)
+            if total > done:  # its claims on this replica's room, applied once each
+                self._debit += total - done
+                self._applied[msg.replica] = total
+                self._flow_dirty = True  # the peer learns it was applied
         if msg.full and seq > peer.full_seq:
             named = {w for w, _ in msg.books}
             for worker in [w for w, (s, _) in books.items() if w not in named and s < seq]:
@@ -396,6 +550,14 @@ class SyncState:
         limit = self.params.forget_after_s
         for rid in [r for r, p in self._peers.items() if now - p.heard > limit]:
             del self._peers[rid]
+        # The claim totals outlive an outage (`forget_peers`): a peer that comes back re-sends
+        # its totals, and only what is new in them applies. Forgotten with the peer: were it
+        # to return after all, its old claims would apply again, as a debt that the next
+        # saturated spell (room starts at 0) clears.
+        for rid in [r for r, t in self._ledger_heard.items() if now - t > limit]:
+            del self._ledger_heard[rid]
+            self._claimed.pop(rid, None)
+            self._applied.pop(rid, None)
 
     def forget_peers(self) -> None:
         """Drop everything heard from peers (the channel was lost; they re-announce
@@ -462,6 +624,8 @@ class SyncStats:
     decode_errors: int = 0
     room_granted: int = 0  # flow-control room tokens handed to peers
     room_received: int = 0
+    room_borrowed: int = 0  # flow-control room tokens claimed from peers' banked room
+    room_lent: int = 0  # … claimed from this replica's by peers (applied)
 
 
 class ReplicaSync:
@@ -492,8 +656,10 @@ class ReplicaSync:
         self.clock = clock
         self.accepts = accepts
         self.on_peers_changed = on_peers_changed
-        # Flow-control room other replicas hand to this one (`FlowController.grant_room`).
+        # Flow-control room other replicas hand to this one (`FlowController.grant_room`),
+        # and room their claims took from this one's bank (`FlowController.lend_room`).
         self.on_grant: Callable[[int], None] | None = None
+        self.on_debit: Callable[[int], None] | None = None
         self.stats = SyncStats()
         self._scheduled = False
         self._gen = 0  # flushes so far: a timer set before the latest flush does nothing
@@ -528,6 +694,57 @@ class ReplicaSync:
             for books in st.peer_books(now).values()
             for b in books.values()
         )
+
+    def attach_flow(self, flow: FlowController, *, then: Callable[[], None] | None = None) -> None:
+        """Wire a `FlowController` to this replica's sync (room shared between replicas:
+        `beamserve.router.flow.controller`, "Several replicas"). `then`: called after a grant
+        or a debit changed the controller (the replay yields to its loop there)."""
+        flow.on_spare_room = self.offer_room
+        flow.on_continuing_queued = self.queue_changed
+        flow.peers_busy = self.peers_busy
+        flow.on_room = self.room_changed
+        flow.peer_room = self.borrowable
+        flow.on_borrow = self.borrow
+        flow.on_head = self.head_changed
+        flow.older_peers = self.older_heads
+
+        def grant(tokens: int) -> None:
+            flow.grant_room(tokens)
+            if then is not None:
+                then()
+
+        def debit(tokens: int) -> None:
+            flow.lend_room(tokens)
+            if then is not None:
+                then()
+
+        self.on_grant, self.on_debit = grant, debit
+
+    def room_changed(self, tokens: int) -> None:
+        """`FlowController.on_room`: the own banked room; peers learn it with the next message."""
+        self.state.set_room(tokens)
+        if self.state.pending:
+            self._schedule()
+
+    def head_changed(self, band: Band, since: float | None) -> None:
+        """`FlowController.on_head` (its clock must be this replica's: both monotonic)."""
+        self.state.set_head(band, since)
+        if self.state.pending:
+            self._schedule()
+
+    def older_heads(self, band: Band, since: float) -> int:
+        """`FlowController.older_peers`: fresh peers whose next `band` item waits longer."""
+        return self.state.older_heads(band, since, self.clock())
+
+    def borrowable(self) -> list[tuple[str, int]]:
+        """`FlowController.peer_room`: what each fresh peer could lend now, most first."""
+        return self.state.borrowable(self.clock())
+
+    def borrow(self, peer: str, tokens: int) -> None:
+        """`FlowController.on_borrow`: claim `tokens` of `peer`'s banked room."""
+        self.state.claim(peer, tokens)
+        self.stats.room_borrowed += max(tokens, 0)
+        self._schedule()
 
     def offer_room(self, tokens: int) -> int:
         """`FlowController.on_spare_room`: split `tokens` of room evenly among the fresh peers
@@ -599,12 +816,22 @@ class ReplicaSync:
         self.stats.received += 1
         self.stats.received_bytes += len(data)
         accepts = self.accepts
+        lendable = self.state.borrowable(now) if msg.room > 0 else None
         for p in self.state.receive(msg, now):
             if p.ttl_s > 0 and p.block_hashes and (accepts is None or accepts(p.worker)):
                 self.index.predict(p.worker, p.block_hashes, p.ttl_s, now)
                 self.stats.predictions_applied += 1
-        if msg.books and self.on_peers_changed is not None:
+        # A peer's books changed, or it banks more room than before (a turn queued here may
+        # borrow it): the pool is looked at again.
+        more_room = lendable is not None and self.state.borrowable(now) != lendable
+        if (msg.books or more_room) and self.on_peers_changed is not None:
             self.on_peers_changed()
+        debit = self.state.take_debit()
+        if debit:
+            self.stats.room_lent += debit
+            self._schedule()  # the peers learn the claims were applied
+            if self.on_debit is not None:
+                self.on_debit(debit)
         mine = sum(t for peer, t in msg.grants if peer == self.state.replica_id)
         if mine:
             self.stats.room_received += mine

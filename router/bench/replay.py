@@ -420,19 +420,15 @@ class Replay:
             )
             r.core.on_predict = sync.predicted
             if r.flow is not None:
-                flow = r.flow
-                flow.controller.on_spare_room = sync.offer_room
-                flow.controller.on_continuing_queued = sync.queue_changed
-                flow.controller.peers_busy = sync.peers_busy
-                sync.on_grant = functools.partial(self._grant, flow)
+                sync.attach_flow(r.flow.controller, then=functools.partial(self._touched, r.flow))
             r.sync = sync
             bus.members.append(sync)
         return bus
 
     @staticmethod
-    def _grant(flow: _FlowDriver, tokens: int) -> None:
-        """Room a peer handed over (`FlowController.grant_room`); admitted items resolve."""
-        flow.controller.grant_room(tokens)
+    def _touched(flow: _FlowDriver) -> None:
+        """A peer granted room or borrowed some (`ReplicaSync.attach_flow`): items the
+        controller admitted meanwhile resolve before time moves on."""
         flow.dirty = True
 
     def _beat(self, k: int) -> None:

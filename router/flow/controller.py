@@ -35,8 +35,20 @@ room. Contract:
   split evenly among the peers whose continuing turns wait (`on_spare_room` returns what it
   handed over; a peer receives its share through `grant_room`) — also when continuing turns
   wait here: every replica hands its room on alike, so room goes round to where turns wait;
-  with no such peer it stays here as before. Room is never created, only
-  moved: the pool's saturated pace is kept. The two exceptions for "nothing in flight" (a
+  with no such peer it stays here as before. Room that stays is *banked* here, and sync
+  tells the peers how much (`on_room`); a turn that arrives at a replica whose own room does
+  not cover it borrows the shortfall from the peers' banks (`peer_room`, most first;
+  `on_borrow` claims it, the lender's `lend_room` takes it out of its room), so a turn waits
+  only when the pool's room — not this replica's share of it — falls short, as at one router.
+  Two replicas borrowing the same room a sync delay apart leave the lender below zero, and its
+  next releases repay it. Room is never created, only moved: the pool's saturated pace is
+  kept. New sessions, likewise, are taken in the pool's order rather than each replica's:
+  each replica tells its peers since when the item it would dispatch next in the ``new`` and
+  ``sheddable`` bands has waited (`on_head`), and when the gate is open a replica whose next
+  item is younger than `older_peers` of its peers' admits it only if the projection has room
+  for theirs as well (each counted at this item's cost) — without that, every replica admits
+  one session into the same headroom, and a session's wait depends on how many others queued
+  at its replica, not on when it came. The two exceptions for "nothing in flight" (a
   large item; new work in a levelled spell) read the pool (`peers_busy`: a peer has requests
   in flight or continuing turns queued), or a replica whose own requests happen to have all
   finished would let new sessions in ahead of the continuing turns queued at the others.
@@ -256,6 +268,17 @@ class FlowController:
         # Whether other replicas have requests in flight or continuing turns queued: the
         # saturated gate's "nothing in flight" exceptions are about the pool, not this replica.
         self.peers_busy: Callable[[], bool] | None = None
+        # The peers' banked room (peer → tokens it could lend now, most first), how to claim
+        # some of it, and where to report this replica's own banked room.
+        self.peer_room: Callable[[], list[tuple[str, int]]] | None = None
+        self.on_borrow: Callable[[str, int], None] | None = None
+        self.on_room: Callable[[int], None] | None = None
+        self._reported_room = 0
+        # Since when the next item of a lower band waits here (`on_head`), and how many peers'
+        # next items of a band wait since before a time (`older_peers`).
+        self.on_head: Callable[[Band, float | None], None] | None = None
+        self.older_peers: Callable[[Band, float], int] | None = None
+        self._reported_heads: dict[Band, float | None] = {}
 
     # --- public --------------------------------------------------------------------------------
 
@@ -384,14 +407,17 @@ class FlowController:
     def _next_item(self, now: float) -> _Item | None:
         """Head of the highest non-empty band: least-attained-service tenant, then oldest."""
         for band in BANDS:
-            tenants = self._queues[band]
-            if tenants:
-                tenant = min(
-                    tenants,
-                    key=lambda t: (self._service.value(t, now), tenants[t][0].seq),
-                )
-                return tenants[tenant][0]
+            if self._queues[band]:
+                return self._next_in(band, now)
         return None
+
+    def _next_in(self, band: Band, now: float) -> _Item | None:
+        """The item of `band` that goes first (None: none queued)."""
+        tenants = self._queues[band]
+        if not tenants:
+            return None
+        tenant = min(tenants, key=lambda t: (self._service.value(t, now), tenants[t][0].seq))
+        return tenants[tenant][0]
 
     # --- dispatch --------------------------------------------------------------------------------
 
@@ -417,16 +443,59 @@ class FlowController:
                 continue
             if saturated:
                 busy = bool(self._in_flight) or (peers_busy is not None and peers_busy())
-                fits = item.cost <= self._room or (self._room > 0 and not busy)
-                if not fits or (levelled and item.band != "continuing" and busy):
+                if levelled and item.band != "continuing" and busy:
                     break
-                self._room = max(self._room - item.cost, 0)
+                if item.cost <= self._room or (self._room > 0 and not busy):
+                    self._room = max(self._room - item.cost, 0)
+                elif not self._borrow(item.cost):
+                    break
             elif admits is not None and not admits(item.cost):
                 break  # the backlog goes at the pool's pace: next snapshot or release
+            elif (
+                admits is not None
+                and item.band != "continuing"
+                and self.older_peers is not None
+                and (ahead := self.older_peers(item.band, item.enqueued_at))
+                and not admits(item.cost * (ahead + 1), exempt_first=False)
+            ):
+                break  # older sessions queued at peers go first (module docstring)
             self._dispatch(item, now)
             if admitted is not None:
                 admitted(item.cost)
         self._arm_timer()
+        if self.on_head is not None:
+            self._report_heads(now)
+        banked = self._room if saturated else 0  # outside a spell there is nothing to lend
+        if self.on_room is not None and banked != self._reported_room:
+            self._reported_room = banked
+            self.on_room(banked)
+
+    def _report_heads(self, now: float) -> None:
+        for band in BANDS[1:]:
+            head = self._next_in(band, now)
+            since = None if head is None else head.enqueued_at
+            if self._reported_heads.get(band) != since:
+                self._reported_heads[band] = since
+                self.on_head(band, since)  # type: ignore[misc]
+
+    def _borrow(self, cost: int) -> bool:
+        """Cover `cost` with the own room and the peers' banked room, if together they do
+        (module docstring, "Several replicas"); False: nothing is taken."""
+        peer_room, claim = self.peer_room, self.on_borrow
+        if peer_room is None or claim is None:
+            return False
+        need = cost - max(self._room, 0)
+        offers = peer_room()
+        if sum(tokens for _peer, tokens in offers) < need:
+            return False
+        self._room = min(self._room, 0)  # the own part first (a debt stays a debt)
+        for peer, tokens in offers:
+            part = min(tokens, need)
+            claim(peer, part)
+            need -= part
+            if need <= 0:
+                break
+        return True
 
     def _dispatch(self, item: _Item, now: float) -> None:
         self._drop(item, _ADMITTED)
@@ -461,6 +530,13 @@ class FlowController:
         is open anyway and the grant is dropped."""
         if tokens > 0 and self._update_saturation(self._clock()):
             self._room += tokens
+            self._pump()
+
+    def lend_room(self, tokens: int) -> None:
+        """Peers borrowed `tokens` of this replica's banked room (`on_borrow` there): it
+        leaves the room here, below zero if two borrowed the same room."""
+        if tokens > 0:
+            self._room -= tokens
             self._pump()
 
     def _on_caller_cancelled(self, item: _Item) -> None:

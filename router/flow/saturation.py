@@ -22,6 +22,7 @@ snapshot cannot show yet (admission happens before routing books the request's l
                     requests released since then (≥ 0); reset by each snapshot
     admits(cost)  ⇔  pending_tokens = 0  OR  projected + cost / (healthy · max_prefill_tokens)
                                                 < threshold
+    (with ``exempt_first=False`` the first alternative does not apply)
 
 `admits` is what the flow controller asks before each dispatch while the pool is not saturated:
 without it, the first snapshot below the threshold would release the whole backlog at once (at
@@ -140,10 +141,13 @@ class SaturationDetector:
             return self._level
         return self._level + self._pending / self._capacity_tokens
 
-    def admits(self, cost_tokens: int) -> bool:
+    def admits(self, cost_tokens: int, *, exempt_first: bool = True) -> bool:
         """May a request of `cost_tokens` be dispatched now without the projection reaching
-        the threshold? Always True for the first admission after a snapshot."""
-        if self._pending <= 0 or self._capacity_tokens <= 0:
+        the threshold? Always True for the first admission after a snapshot, unless
+        `exempt_first` is False (the caller asks for room for more than its own request)."""
+        if self._capacity_tokens <= 0:
+            return True
+        if self._pending <= 0 and exempt_first:
             return True
         return self.projected() + cost_tokens / self._capacity_tokens < self.config.threshold
 

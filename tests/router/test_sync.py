@@ -26,7 +26,7 @@ from beamserve.router.sync import (
     encode_message,
     sync_channel,
 )
-from beamserve.router.types import Endpoint, RouteRequest
+from beamserve.router.types import BANDS, Endpoint, RouteRequest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +51,10 @@ messages = st.builds(
     st.lists(predictions, max_size=4).map(tuple),
     u32,
     st.lists(st.tuples(names, u32), max_size=4).map(tuple),
+    u32,
+    st.lists(st.tuples(names, st.integers(0, 2**64 - 1)), max_size=4).map(tuple),
+    st.lists(st.tuples(names, st.integers(0, 2**64 - 1)), max_size=4).map(tuple),
+    st.lists(st.tuples(st.sampled_from(BANDS), u32), max_size=3).map(tuple),
 )
 
 
@@ -84,6 +88,16 @@ def test_block_hashes_travel_as_eight_bytes_each_and_bad_input_is_refused() -> N
         decode_message(b"HELLO" + big)
     with pytest.raises(SyncError, match="after its end"):
         decode_message(big + b"x")
+
+
+def test_a_message_of_the_release_before_is_still_read() -> None:
+    # BSY1 ends after the grants: no banked room, no claims, no queue heads
+    old = SyncMessage("r", 3, True, (("w0", BookCounts(5, 1, 1, 0, 1)),), (), 2, (("a", 7),))
+    new = encode_message(old)
+    v1 = b"BSY1" + new[4 : len(new) - (4 + 2 + 2 + 1)]
+    assert decode_message(v1) == old
+    with pytest.raises(SyncError, match="names band 7"):
+        decode_message(new[:-1] + bytes((1, 7)) + (0).to_bytes(4, "little"))
 
 
 def test_the_channel_derives_from_the_session_key_prefix() -> None:
@@ -586,3 +600,199 @@ def test_an_outage_drops_what_the_peers_last_said_at_once() -> None:
     assert changed == [1]
     rs.transport._went_down("publish", ConnectionError("reset"))  # same outage: once
     assert changed == [1]
+
+
+# --- banked room borrowed across replicas; new sessions in the pool's order -----------------
+
+
+def attached_replica(bus: Bus, name: str, signal: object) -> tuple[ReplicaSync, FlowController]:
+    """A replica whose flow controller is wired through `ReplicaSync.attach_flow`, as
+    `RouterRuntime` and the replay wire it."""
+    sync, _core = bus.add(name)
+    flow = FlowController(FlowConfig(), saturation=signal, clock=lambda: bus.now)  # type: ignore[arg-type]
+    sync.attach_flow(flow)
+    return sync, flow
+
+
+def test_a_turn_borrows_the_room_a_peer_banked_and_the_lender_gives_it_up() -> None:
+    async def main() -> None:
+        bus = Bus()
+        sa, sb = Switch(), Switch()
+        a, fa = attached_replica(bus, "a", sa)
+        b, fb = attached_replica(bus, "b", sb)
+        held_a = [await fa.admit("new", f"s{i}", 100) for i in range(2)]
+        held_b = await fb.admit("new", "t", 100)
+        sa.on = sb.on = True
+        held_a[0].release()  # nothing waits anywhere: a banks the 100 tokens and says so
+        assert fa.stats().room_tokens == 100 and a.state.room == 100
+        bus.advance(0.01)
+        assert b.state.borrowable(bus.now) == [("a", 100)]
+        # b has no room of its own; one router would have had a's 100 for this turn
+        turn = asyncio.create_task(fb.admit("continuing", "u", 80))
+        await _settle()
+        assert turn.done() and b.stats.room_borrowed == 80
+        assert b.state.borrowable(bus.now) == [("a", 20)]  # its own claim is counted at once
+        bus.advance(0.01)
+        assert fa.stats().room_tokens == 20 and a.stats.room_lent == 80
+        bus.advance(0.01)
+        assert b.state.borrowable(bus.now) == [("a", 20)]  # a's report, the claim applied
+        # a turn the pool's room does not cover waits, and takes nothing
+        big = asyncio.create_task(fb.admit("continuing", "v", 500))
+        await _settle()
+        assert not big.done() and b.stats.room_borrowed == 80
+        big.cancel()
+        await _settle()
+        for t in (turn.result(), held_a[1], held_b):
+            t.release()
+
+    asyncio.run(main())
+
+
+def test_two_replicas_borrowing_the_same_room_leave_a_debt_the_lenders_releases_repay() -> None:
+    async def main() -> None:
+        bus = Bus()
+        sw = [Switch() for _ in range(3)]
+        a, fa = attached_replica(bus, "a", sw[0])
+        _b, fb = attached_replica(bus, "b", sw[1])
+        _c, fc = attached_replica(bus, "c", sw[2])
+        held = [await fa.admit("new", f"s{i}", 100) for i in range(4)]
+        for s in sw:
+            s.on = True
+        held[0].release()
+        bus.advance(0.01)
+        # b and c borrow a's 100 in the same instant, before either claim reaches a
+        tb = asyncio.create_task(fb.admit("continuing", "x", 100))
+        tc = asyncio.create_task(fc.admit("continuing", "y", 100))
+        await _settle()
+        assert tb.done() and tc.done()
+        bus.advance(0.01)
+        assert fa.stats().room_tokens == -100 and a.stats.room_lent == 200
+        assert a.state.room == 0  # a debt is nothing to lend
+        mine = asyncio.create_task(fa.admit("continuing", "z", 50))
+        await _settle()
+        held[1].release()  # repays the debt: a's own turn still waits
+        await _settle()
+        assert fa.stats().room_tokens == 0 and not mine.done()
+        held[2].release()
+        await _settle()
+        assert mine.done() and fa.stats().room_tokens == 50
+        for t in (tb.result(), tc.result(), mine.result(), held[3]):
+            t.release()
+
+    asyncio.run(main())
+
+
+def test_claims_are_running_totals_so_a_lost_or_repeated_message_applies_once() -> None:
+    a, b = SyncState("a", PARAMS), SyncState("b", PARAMS)
+    no_book: Callable[[str], BookCounts] = lambda w: NO_BOOKING  # noqa: E731
+    b.set_room(100)
+    a.receive(b.flush(0.0, no_book, list), 0.0)
+    assert a.borrowable(0.0) == [("b", 100)]
+    a.claim("b", 30)
+    m1 = a.flush(0.01, no_book, list)
+    assert m1 is not None and m1.claims == (("b", 30),)
+    b.receive(m1, 0.01)
+    b.receive(m1, 0.01)  # repeated
+    assert b.take_debit() == 30
+    a.claim("b", 20)
+    assert a.borrowable(0.02) == [("b", 50)]  # 100 reported, 50 claimed, none applied yet
+    a.flush(0.02, no_book, list)  # lost
+    a.claim("b", 5)
+    b.receive(a.flush(0.03, no_book, list), 0.03)
+    assert b.take_debit() == 25  # the lost 20 with the 5
+    b.set_room(45)
+    a.receive(b.flush(0.04, no_book, list), 0.04)
+    assert a.borrowable(0.04) == [("b", 45)]  # every claim applied: b's report is the truth
+    assert a.borrowable(0.04 + PARAMS.peer_stale_after_s + 1) == []  # a stale peer lends nothing
+
+
+class Headroom:
+    """A saturation signal with `headroom` tokens below the threshold (≤ 0: saturated), whose
+    first admission after a snapshot passes as `SaturationDetector.admits` does."""
+
+    def __init__(self) -> None:
+        self.headroom = 0
+        self.pending = 0
+
+    def saturated(self, now: float) -> bool:
+        return self.headroom <= 0
+
+    def admits(self, cost: int, *, exempt_first: bool = True) -> bool:
+        if exempt_first and self.pending == 0:
+            return True
+        return self.pending + cost < self.headroom
+
+    def admitted(self, cost: int) -> None:
+        self.pending += cost
+
+    def snapshot(self, headroom: int) -> None:
+        self.headroom, self.pending = headroom, 0
+
+
+def test_when_the_gate_opens_the_session_queued_longest_across_replicas_goes_first() -> None:
+    async def main() -> None:
+        bus = Bus()
+        ga, gb = Headroom(), Headroom()
+        _a, fa = attached_replica(bus, "a", ga)
+        b, fb = attached_replica(bus, "b", gb)
+        ga.snapshot(10**6)
+        gb.snapshot(10**6)
+        held = [await f.admit("new", f"h{i}", 10) for i, f in enumerate((fa, fb))]
+        ga.snapshot(0)
+        gb.snapshot(0)  # saturated, with work in flight: new sessions wait
+        old = asyncio.create_task(fb.admit("new", "old", 100))
+        await _settle()
+        bus.advance(1.0)
+        young = asyncio.create_task(fa.admit("new", "young", 100))
+        await _settle()
+        bus.advance(0.01)
+        assert not old.done() and not young.done()
+        # the pool has room for one session, and each replica would take its own first
+        ga.snapshot(150)
+        fa.poll()
+        await _settle()
+        assert not young.done()  # b's session has waited longer
+        gb.snapshot(150)
+        fb.poll()
+        await _settle()
+        assert old.done()
+        bus.advance(0.01)  # b's queue is empty now, and a hears it
+        ga.snapshot(150)
+        fa.poll()
+        await _settle()
+        assert young.done()
+        for t in (*held, old.result(), young.result()):
+            t.release()
+        bus.advance(0.01)
+        assert b.state.older_heads("new", bus.now, bus.now) == 0  # a's queue is empty too
+
+    asyncio.run(main())
+
+
+def test_room_for_both_lets_the_younger_session_go_at_once() -> None:
+    async def main() -> None:
+        bus = Bus()
+        ga, gb = Headroom(), Headroom()
+        _a, fa = attached_replica(bus, "a", ga)
+        _b, fb = attached_replica(bus, "b", gb)
+        ga.snapshot(10**6)
+        gb.snapshot(10**6)
+        held = [await f.admit("new", f"h{i}", 10) for i, f in enumerate((fa, fb))]
+        ga.snapshot(0)
+        gb.snapshot(0)
+        old = asyncio.create_task(fb.admit("new", "old", 100))
+        await _settle()
+        bus.advance(1.0)
+        young = asyncio.create_task(fa.admit("new", "young", 100))
+        await _settle()
+        bus.advance(0.01)
+        ga.snapshot(250)  # room for this one and the older one at b
+        fa.poll()
+        await _settle()
+        assert young.done() and not old.done()
+        for t in (*held, young.result()):
+            t.release()
+        old.cancel()
+        await _settle()
+
+    asyncio.run(main())
