@@ -9,6 +9,8 @@ same path runs.
 Routers (`ROUTERS`): ``beamserve`` (``beamserve router``, KV events wired from every worker);
 ``beamserve-x2`` (two of them sharing one ``redis-server``, behind Debian's ``haproxy`` in
 ``mode tcp`` with ``balance random``: several replicas as a plain L4 balancer spreads them);
+``beamserve-baseline`` and ``beamserve-baseline-x2``, the same with the ``beamserve``
+executable of another build (`BEAMSERVE_BASELINE`), to measure a change side by side;
 the SGLang Model Gateway ``smg`` 1.13 and ``sglang-router`` 0.3.2, each with ``cache_aware`` and
 ``round_robin``; ``vllm-router`` 0.1.17 with ``sticky_least_loaded`` (its session policy: the
 best it offers here, as its ``kv_aware`` policy needs the checkpoint's tokenizer to hash
@@ -259,7 +261,7 @@ class RouterSpec:
     def unavailable(self) -> str | None:
         """Why it cannot run here (None: it can)."""
         if self.exe() is None:
-            if self.name == "beamserve-baseline":
+            if self.name.startswith("beamserve-baseline"):
                 return "set BEAMSERVE_BASELINE to another build's beamserve executable"
             if self.kind == "sglang-router":
                 return "sglang_router is not importable in this venv (pip install sglang-router)"
@@ -349,6 +351,8 @@ def _router_specs() -> dict[str, RouterSpec]:
                    _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, replicas=2),
+        RouterSpec("beamserve-baseline-x2", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, _baseline_exe, ready_json=True, replicas=2),
         RouterSpec("smg-cache_aware", "smg", "cache_aware", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("smg-round_robin", "smg", "round_robin", "smg", _sglang_argv, _peer_exe("smg")),
         RouterSpec("sglang-router-cache_aware", "sglang-router", "cache_aware", "sglang-router",
