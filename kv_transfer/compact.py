@@ -22,7 +22,7 @@ columns:
     [src_base B][dst_base B][src_run R][dst_run R][run_len R]
 
 where S is a power of two ≥ the segment count (padded with `PAD`, so the kernel's binary search
-has a fixed number of steps), runs longer than `kernels.PIECE_BYTES` are split into pieces, and
+has a fixed number of steps), runs longer than `kernels.BLOCK_BYTES` are split into pieces, and
 program `p` of the launch copies piece `i` of block `b` of the segment whose `seg_start` is the
 last one ≤ `p`. `program_runs` computes every program's (source, destination, length) the way
 the kernel does, in numpy: the CPU tests run it against the plan.
@@ -30,6 +30,7 @@ the kernel does, in numpy: the CPU tests run it against the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -185,8 +186,9 @@ class KernelTables:
     align: int  # elements every offset and length is a multiple of (2: 16-byte vectors)
     log2: int  # the segment columns hold 2**log2 rows
     steps: int  # unrolled BLOCK steps of the longest piece
-    programs: int  # grid size: one program per (segment, block, piece)
+    programs: int  # pieces: one per (segment, block, piece); the flat kernel's grid
     nbytes_moved: int
+    longest: int = 0  # elements of the longest piece (the loop kernel's step, `loop_block`)
 
     @property
     def nbytes(self) -> int:
@@ -196,11 +198,19 @@ class KernelTables:
     def segments(self) -> int:
         return len(self.seg_src_rank)
 
-    def bind(self, src_addrs: Sequence[int], dst_addrs: Sequence[int], base_addr: int) -> IntArray:
+    def bind(
+        self,
+        src_addrs: Sequence[int],
+        dst_addrs: Sequence[int],
+        base_addr: int,
+        out: IntArray | None = None,
+    ) -> IntArray:
         """A copy of the table with source rank r's region at device address `src_addrs[r]`,
         destination rank d's at `dst_addrs[d]`, offsets counted from `base_addr` (the lowest
-        of them). Raises `TransferPlanError` for an address the table's element width does not
-        divide (regions are allocated at least 512-byte aligned, so it does not happen)."""
+        of them), written into `out` where given (the driver's pinned upload buffer: one copy
+        of the table per request, not two). Raises `TransferPlanError` for an address the
+        table's element width does not divide (regions are allocated at least 512-byte
+        aligned, so it does not happen) or an `out` of another length."""
         rel_s = np.asarray(src_addrs, dtype=np.int64) - base_addr
         rel_d = np.asarray(dst_addrs, dtype=np.int64) - base_addr
         s_off, d_off = rel_s[self.seg_src_rank], rel_d[self.seg_dst_rank]
@@ -211,7 +221,15 @@ class KernelTables:
                 "aligned; regions must be allocated by the device allocator"
             )
         rows, k = 1 << self.log2, self.segments
-        out = self.table.copy()
+        if out is None:
+            out = self.table.copy()
+        elif out.shape != self.table.shape or out.dtype != self.table.dtype:
+            raise TransferPlanError(
+                f"kernel tables: bind into {out.dtype}{list(out.shape)}, the table is "
+                f"{self.table.dtype}{list(self.table.shape)}"
+            )
+        else:
+            out[:] = self.table
         out[HEADER + 4 * rows : HEADER + 4 * rows + k] = s_off // self.elem
         out[HEADER + 5 * rows : HEADER + 5 * rows + k] = d_off // self.elem
         return out
@@ -220,12 +238,21 @@ class KernelTables:
 SEG_COLUMNS = 6  # seg_start, seg_runs, seg_boff, seg_roff, seg_src_off, seg_dst_off
 
 
+ORDERS = ("plan", "src", "dst")
+
+
 def kernel_tables(
     plan: CompactPlan,
-    piece_bytes: int = kernels.PIECE_BYTES,
+    piece_bytes: int = kernels.BLOCK_BYTES,
     block_bytes: int = kernels.BLOCK_BYTES,
+    order: str = "plan",
 ) -> KernelTables:
-    """The kernel table for `plan`, its region columns zero (see `KernelTables.bind`)."""
+    """The kernel table for `plan`, its region columns zero (see `KernelTables.bind`). Runs
+    are split into pieces of at most `piece_bytes` (default one 16 KiB step: the loop kernel
+    moves one step per piece; the flat kernel unrolls ``steps`` steps for longer pieces).
+    `order` other than "plan" sorts each segment's runs (`reorder_runs`)."""
+    if order not in ORDERS:
+        raise TransferPlanError(f"kernel tables: order {order!r}; choose one of {list(ORDERS)}")
     segs = [s for s in plan.segments if s.count]
     every = np.concatenate(
         [np.zeros(1, dtype=np.int64)]
@@ -271,7 +298,7 @@ def kernel_tables(
         table[HEADER + col * rows : HEADER + col * rows + n_seg] = values
     table[5] = prog  # programs: the kernel's bound when one launched program copies several
     block = block_bytes // elem
-    return KernelTables(
+    out = KernelTables(
         table,
         np.array([s.src_rank for s in segs], dtype=np.int64),
         np.array([s.dst_rank for s in segs], dtype=np.int64),
@@ -281,7 +308,31 @@ def kernel_tables(
         max(1, -(-longest // block)),
         prog,
         sum(s.nbytes for s in segs),
+        longest,
     )
+    return out if order == "plan" else reorder_runs(out, order)
+
+
+def reorder_runs(t: KernelTables, by: str) -> KernelTables:
+    """The same copies in another order: each segment's runs (and so every block's pieces)
+    sorted by their source ("src") or destination ("dst") offset, so that the programs running
+    at one time touch neighbouring pages on that side. The bytes each program pair moves are
+    unchanged; only which program moves them is (tested: the same multiset of runs, the same
+    bytes written)."""
+    if by == "plan":
+        return t
+    if by not in ORDERS:
+        raise TransferPlanError(f"kernel tables: order {by!r}; choose one of {list(ORDERS)}")
+    table = t.table.copy()
+    rows = 1 << t.log2
+    o_rsrc, o_rdst, o_rlen = (int(v) for v in table[2:5])
+    key_at = o_rsrc if by == "src" else o_rdst
+    for k in range(t.segments):
+        cnt, roff = int(table[HEADER + rows + k]), int(table[HEADER + 3 * rows + k])
+        order = np.argsort(table[key_at + roff : key_at + roff + cnt], kind="stable")
+        for at in (o_rsrc, o_rdst, o_rlen):
+            table[at + roff : at + roff + cnt] = table[at + roff : at + roff + cnt][order]
+    return dataclasses.replace(t, table=table)
 
 
 def program_runs(t: KernelTables, table: IntArray) -> tuple[IntArray, IntArray, IntArray]:

@@ -38,7 +38,7 @@ from typing import Any, Protocol, cast
 
 import httpx
 import uvicorn
-from beamserve.kv_transfer import host_local
+from beamserve.kv_transfer import host_local, kernels
 from beamserve.kv_transfer.backends.base import AgentInfo, ReadOp
 from beamserve.kv_transfer.compact import CompactPlan, KernelTables, compact_plan, kernel_tables
 from beamserve.kv_transfer.cost import (
@@ -647,6 +647,8 @@ class DecodeKVClient:
         self.group = group
         self.path = parse_path(str(path))
         self.driver = host_local.configured_driver() if driver is None else driver
+        # The host-local table's piece order (BEAMSERVE_KV_LOCAL_ORDER, `kernels.local_shape`).
+        self._local_order = kernels.local_shape().order
         if self.driver not in host_local.DRIVERS:
             raise TransferPlanError(
                 f"driver: {self.driver!r} unknown; choose one of {list(host_local.DRIVERS)}"
@@ -777,7 +779,7 @@ class DecodeKVClient:
         choice = choose_host_local(compact, link, want, forced, staging)
         if choice is None:
             return None
-        return compact, kernel_tables(compact), choice
+        return compact, kernel_tables(compact, order=self._local_order), choice
 
     def _pull_host_local(
         self,

@@ -25,24 +25,30 @@ its parent — counts as alive until it is reaped).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import structlog
 from beamserve.kv_transfer.backends.base import AgentInfo
 from beamserve.kv_transfer.compact import KernelTables, program_runs
 from beamserve.kv_transfer.errors import PeerLostError, TransferPlanError, TransferTimeoutError
 from beamserve.kv_transfer.memory import Buffer, MemoryKind
+
+log = structlog.get_logger(__name__)
 
 DRIVER = "host_local"
 RANKS = "ranks"
 DRIVERS = ("auto", RANKS, DRIVER)
 SPIN_S = 0.05  # poll the copy's event without sleeping this long (copies take ms), then sleep
 POLL_S = 50e-6
+GRAPHS_KEPT = 8  # captured launches kept per engine (one per base region and table shape)
 
 
 def configured_driver() -> str:
@@ -117,6 +123,23 @@ def owner_alive(owner: RegionOwner, thorough: bool = False) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+GONE = -1  # `watch_owner`: the owner had exited already
+
+
+def watch_owner(owner: RegionOwner | None) -> int | None:
+    """A pidfd of `owner` (readable once it exits: zombies count as exited), `GONE` where it
+    has exited already, or None where a pidfd cannot tell (no owner, another pid namespace,
+    a kernel or Python without `pidfd_open`): then `owner_alive` is asked each time."""
+    if owner is None or owner.pid_ns != _pid_ns() or not owner.pid_ns:
+        return None
+    try:
+        return os.pidfd_open(owner.pid)
+    except ProcessLookupError:
+        return GONE
+    except (AttributeError, OSError):
+        return None
 
 
 def refusal(agents: Sequence[AgentInfo], memory: MemoryKind, device: int) -> str | None:
@@ -225,6 +248,8 @@ class NumpyEngine:
 class _CudaLaunch:
     def __init__(self, start: Any, end: Any) -> None:
         self.start, self.end = start, end
+        self.detail: dict[str, float] = {}
+        self.replayed = False
 
     def done(self) -> bool:
         return bool(self.end.query())
@@ -237,51 +262,131 @@ class _CudaLaunch:
 
 
 class TritonEngine:
-    """One `kernels.launch_compact` on the driver's stream, between two timing events."""
+    """One host-local launch on the driver's stream, between two timing events.
 
-    def __init__(self, device: int) -> None:
+    Per request: the bound table is written (by `bind`, through `upload_buffer`) straight into
+    one pinned host buffer, copied asynchronously into one device buffer, and the kernel runs
+    over it. The loop kernel's launch (`kernels.LocalShape`) has a fixed grid, and the device
+    table buffer and the base region do not change between requests, so after its first
+    launch for a (base, table shape) key it is captured once in a CUDA graph and replayed:
+    one `cudaGraphLaunch`, not Triton's Python launch path. Buffers are reused only after the
+    previous launch finished (the driver waits for every launch).
+    """
+
+    def __init__(self, device: int, shape: Any = None) -> None:
         import torch
+        from beamserve.kv_transfer import kernels
 
         self._torch = torch
         self.device = device
+        self.shape = kernels.local_shape() if shape is None else shape
+        if self.shape.kernel == "loop" and not kernels.loop_available():
+            self.shape = dataclasses.replace(self.shape, kernel="flat")
         self.stream = torch.cuda.Stream(device=device)
-        self.runs, self.warps = kernels_shape()
-        # One pinned host buffer and one device buffer for tables, grown as needed: the upload
-        # is an asynchronous copy on the driver's stream, no allocation in a pull. Reused only
-        # after the previous launch finished (the driver waits for every launch).
+        self._capture_stream = torch.cuda.Stream(device=device)
+        props = torch.cuda.get_device_properties(device)
+        self.grid = int(props.multi_processor_count) * self.shape.per_sm
         self._host = torch.empty(0, dtype=torch.int64)
+        self._host_np: Any = self._host.numpy()
         self._dev = torch.empty(0, dtype=torch.int64, device=f"cuda:{device}")
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._ready = torch.cuda.Event()
+        self._graphs: dict[tuple[int, ...], Any] = {}
+        self._graph_on = bool(self.shape.graph)
+        self.launches = 0
+        self.replays = 0
+
+    def upload_buffer(self, n: int) -> Any:
+        """The pinned host buffer's first `n` words, for `KernelTables.bind(out=…)`."""
+        torch = self._torch
+        if self._host.numel() < n:
+            size = 1 << max(16, (n - 1).bit_length())
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._host_np = self._host.numpy()
+            self._dev = torch.empty(size, dtype=torch.int64, device=f"cuda:{self.device}")
+            self._graphs.clear()  # they name the old device buffer
+        return self._host_np[:n]
 
     def launch(
         self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
     ) -> CopyLaunch:
-        from beamserve.kv_transfer import kernels
-
         torch = self._torch
         n = len(table)
-        if self._host.numel() < n:
-            size = 1 << max(16, (n - 1).bit_length())
-            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._dev = torch.empty(size, dtype=torch.int64, device=f"cuda:{self.device}")
-        self._host[:n].numpy()[:] = table
+        buf = self.upload_buffer(n)
+        if table.ctypes.data != buf.ctypes.data:  # bound elsewhere: one copy into the buffer
+            buf[:] = table
+        t0 = time.perf_counter()
+        # Work this process queued on its current stream (a region written here) comes first:
+        # one event, kept (`wait_stream` would create one per call).
+        self._ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self._ready)
         with torch.cuda.stream(self.stream):
-            dev = self._dev[:n]
-            dev.copy_(self._host[:n], non_blocking=True)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            kernels.launch_compact(
-                base.data, dev, t.log2, t.elem, t.align, t.steps, t.programs,
-                self.runs, self.warps,
-            )  # fmt: skip
-            end.record(self.stream)
-        return _CudaLaunch(start, end)
+            self._dev[:n].copy_(self._host[:n], non_blocking=True)
+            self._start.record(self.stream)
+            t1 = time.perf_counter()
+            replayed = self._run(t, base)
+            t2 = time.perf_counter()
+            self._end.record(self.stream)
+        launch = _CudaLaunch(self._start, self._end)
+        launch.detail = {"upload": t1 - t0, "kernel_call": t2 - t1}
+        launch.replayed = replayed
+        return launch
 
+    def _run(self, t: KernelTables, base: Buffer) -> bool:
+        """Launch (or replay) the kernel for `t`; True where a captured graph ran."""
+        from beamserve.kv_transfer import kernels
 
-def kernels_shape() -> tuple[int, int]:
-    from beamserve.kv_transfer import kernels
+        s = self.shape
+        self.launches += 1
+        if s.kernel == "flat" or t.steps > 1:  # pieces longer than one loop step: flat
+            # The grid rounded up (≤ 1/8 idle programs: they read the table, copy nothing), so
+            # requests of similar size share one captured launch.
+            grid = -(-t.programs // s.runs)
+            unit = 1 << max(0, grid.bit_length() - 4)
+            grid = -(-grid // unit) * unit
+            key: tuple[int, ...] = (0, base.addr, self._dev.data_ptr(), t.log2, t.elem, t.align,
+                                    t.steps, grid)  # fmt: skip
+            fn: Any = kernels.launch_compact
+            args: tuple[Any, ...] = (base.data, self._dev, t.log2, t.elem, t.align, t.steps,
+                                     grid * s.runs, s.runs, s.warps)  # fmt: skip
+        else:
+            block = kernels.loop_block(t.elem, t.longest)
+            key = (1, base.addr, self._dev.data_ptr(), t.log2, t.elem, t.align, block)
+            fn = kernels.launch_compact_loop
+            args = (base.data, self._dev, t.log2, t.elem, t.align, block, self.grid, s.warps,
+                    s.ahead, s.evict, s.maxnreg)  # fmt: skip
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return True
+        fn(*args)
+        if self._graph_on:
+            self._capture(key, fn, args)
+        return False
 
-    return kernels.local_launch_shape()
+    def _capture(
+        self, key: tuple[int, ...], fn: Callable[..., None], args: tuple[Any, ...]
+    ) -> None:
+        """Record the launch just made into a graph for the next requests of this key (the
+        capture records, it does not run: it overlaps the copy in flight)."""
+        torch = self._torch
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    fn(*args)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # no graphs here: Triton's launch path every time
+            self._graph_on = False
+            log.warning("kv_local_graph_off", error=repr(exc))
+            return
+        if len(self._graphs) >= GRAPHS_KEPT:
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = graph
 
 
 def open_cuda_ipc(info: AgentInfo) -> Buffer:
@@ -308,6 +413,10 @@ class HostLocalDriver:
         self._engine = engine
         self._mapped: dict[str, Buffer] = {}
         self._owners: dict[str, RegionOwner | None] = {}
+        # Per mapped region: a pidfd of its owner (readable once the owner exits), GONE where
+        # the owner had exited when it was mapped, None where only `kill(pid, 0)` can tell.
+        self._watch: dict[str, int | None] = {}
+        self._polls: dict[tuple[str, ...], tuple[Any, dict[int, str], list[str]]] = {}
         self._live = 0
         self._pulls = 0
         self._bytes = 0
@@ -323,11 +432,16 @@ class HostLocalDriver:
                 raise PeerLostError(
                     f"host_local: could not map {a.name}'s region ({exc}); its process is gone"
                 ) from exc
-            self._owners[a.name] = region_owner(a)
+            self._owners[a.name] = owner = region_owner(a)
+            self._watch[a.name] = watch_owner(owner)
 
     def disconnect(self, name: str) -> None:
         self._mapped.pop(name, None)
         self._owners.pop(name, None)
+        fd = self._watch.pop(name, None)
+        if fd is not None and fd >= 0:
+            os.close(fd)
+        self._polls.clear()
 
     def pull(
         self,
@@ -360,9 +474,11 @@ class HostLocalDriver:
             return LocalPullStats(0, time.perf_counter() - t0, 0.0, 0, tables.nbytes)
         src_addrs = [s_bufs[r].addr if r in s_bufs else base.addr for r in range(len(src_agents))]
         dst_addrs = [d_bufs[r].addr if r in d_bufs else base.addr for r in range(len(dst_agents))]
-        table = tables.bind(src_addrs, dst_addrs, base.addr)
-        t_bind = time.perf_counter()
         engine = self._engine_for(base)
+        upload = getattr(engine, "upload_buffer", None)  # bind straight into the upload buffer
+        out = upload(len(tables.table)) if upload is not None else None
+        table = tables.bind(src_addrs, dst_addrs, base.addr, out=out)
+        t_bind = time.perf_counter()
         self._live += 1
         try:
             try:
@@ -393,12 +509,18 @@ class HostLocalDriver:
             "launch": t_launch - t_bind,
             "wait": t_wait - t_launch,
         }
+        # The engine's own split of the launch (upload call, kernel call or graph replay).
+        detail = getattr(launch, "detail", None)
+        if detail:
+            phases.update({f"launch.{k}": v for k, v in detail.items()})
         return LocalPullStats(
             tables.nbytes_moved, t_end - t0, kernel_s, tables.programs, tables.nbytes,
             phases, t0, t_end,
         )  # fmt: skip
 
     def close(self) -> None:
+        for name in list(self._mapped):
+            self.disconnect(name)
         self._mapped.clear()
         self._owners.clear()
 
@@ -409,14 +531,37 @@ class HostLocalDriver:
         return self._own[a.name] if a.name in self._own else self._mapped[a.name]
 
     def _check_owners(self, agents: Sequence[AgentInfo], when: str) -> None:
-        for a in agents:
-            owner = self._owners.get(a.name)
-            if a.name not in self._own and owner is not None and not owner_alive(owner):
-                self.disconnect(a.name)
-                raise PeerLostError(
-                    f"host_local: {a.name} (pid {owner.pid}) exited {when} the copy; the pull "
-                    "is void (decode recomputes the prefill)"
-                )
+        """Raise `PeerLostError` (and unmap the region) where a region's owner has exited:
+        one `poll(2)` over the owners' pidfds, `kill(pid, 0)` for owners without one."""
+        key = tuple(a.name for a in agents)
+        polled = self._polls.get(key)
+        if polled is None:  # once per set of regions: a poller of their pidfds, and the rest
+            poller, by_fd, rest = select.poll(), {}, []
+            for a in agents:
+                if a.name in self._own:
+                    continue
+                fd = self._watch.get(a.name)
+                if fd is not None and fd >= 0:
+                    poller.register(fd, select.POLLIN)
+                    by_fd[fd] = a.name
+                else:
+                    rest.append(a.name)
+            polled = self._polls[key] = (poller, by_fd, rest)
+        poller, by_fd, rest = polled
+        gone = [by_fd[fd] for fd, _ in poller.poll(0)] if by_fd else []
+        for name in rest:  # exited when mapped, or no pidfd: `kill(pid, 0)`
+            fd, owner = self._watch.get(name), self._owners.get(name)
+            if fd == GONE or (owner is not None and not owner_alive(owner)):
+                gone.append(name)
+        if gone:
+            name = gone[0]
+            owner = self._owners.get(name)
+            self.disconnect(name)
+            pid = owner.pid if owner is not None else "?"
+            raise PeerLostError(
+                f"host_local: {name} (pid {pid}) exited {when} the copy; the pull "
+                "is void (decode recomputes the prefill)"
+            )
 
     def _engine_for(self, base: Buffer) -> CopyEngine:
         if self._engine is None:

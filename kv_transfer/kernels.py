@@ -26,6 +26,7 @@ says what it measured.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -176,6 +177,17 @@ def _compact_kernel() -> Any:
     return copy_compact
 
 
+def _loop_kernel() -> Any:
+    """The host-local loop kernel (`triton_loop.copy_compact_loop`, compiled per shape on
+    first launch)."""
+    if "loop" in _state:
+        return _state["loop"]
+    from beamserve.kv_transfer import triton_loop
+
+    _state["loop"] = triton_loop.copy_compact_loop
+    return triton_loop.copy_compact_loop
+
+
 def triton_copy_runs(src: Any, dst: Any, src_off: I64, dst_off: I64, lengths: I64) -> None:
     """dst[dst_off[i]:+lengths[i]] = src[src_off[i]:+lengths[i]] for flat uint8 tensors `src`
     and `dst` (CUDA, or CPU under ``TRITON_INTERPRET=1``), one launch on the current stream."""
@@ -228,19 +240,132 @@ def launch_compact(
     )  # fmt: skip
 
 
-def local_launch_shape() -> tuple[int, int]:
-    """(pieces per program, warps) of the host-local kernel: ``BEAMSERVE_KV_LOCAL_RUNS``
-    (default 1) and ``BEAMSERVE_KV_LOCAL_WARPS`` (default 8)."""
-    out = []
-    for name, default, allowed in (
-        ("BEAMSERVE_KV_LOCAL_RUNS", 1, (1, 2, 4, 8)),
-        ("BEAMSERVE_KV_LOCAL_WARPS", 8, (2, 4, 8, 16)),
-    ):
-        raw = os.environ.get(name, "").strip() or str(default)
-        if not raw.isdigit() or int(raw) not in allowed:
+@dataclass(frozen=True)
+class LocalShape:
+    """How the host-local driver launches (environment, read once per driver):
+
+    * ``BEAMSERVE_KV_LOCAL_KERNEL``: ``flat`` (default: one program per `runs` pieces) or
+      ``loop`` (a fixed grid of `per_sm` programs per multiprocessor, each looping over pieces
+      ``pid, pid + grid, …`` with the next piece's loads issued before the current piece's
+      stores). Measured on the H200 on 2026-12-02 (docs/kv-transfer.md): the loop kernel was
+      no faster at 8:4 bf16 (0.905–0.911 × a device copy against the flat kernel's
+      0.890–0.936 ×) and slower for fp8 and 1:1, so flat is the default;
+    * ``BEAMSERVE_KV_LOCAL_PER_SM`` (loop: programs per multiprocessor; keep it within what
+      fits at once, or the last wave runs part-empty), ``BEAMSERVE_KV_LOCAL_WARPS``,
+      ``BEAMSERVE_KV_LOCAL_MAXNREG`` (loop: a register cap per thread, 0 none, so that more
+      programs fit), ``BEAMSERVE_KV_LOCAL_RUNS`` (flat: pieces per program),
+      ``BEAMSERVE_KV_LOCAL_AHEAD`` (loop: 1 looks the next piece's table rows up one iteration
+      early), ``BEAMSERVE_KV_LOCAL_EVICT`` (loop: 1 marks the copied bytes evict-first in L2,
+      so the table stays cached);
+    * ``BEAMSERVE_KV_LOCAL_GRAPH``: 1 (default) replays a CUDA graph of the launch (the loop
+      kernel's grid is fixed, the flat kernel's is rounded up; the table buffer and the base
+      address do not change between requests) instead of Triton's Python launch path; 0
+      launches through Triton every time;
+    * ``BEAMSERVE_KV_LOCAL_ORDER``: the order of each segment's pieces in the table
+      (`compact.reorder_runs`): ``src`` (default: ascending source offset, so the programs
+      running at once read neighbouring pages; 1.586 against 1.633 ms in the plan's order,
+      one H200 run), ``plan`` or ``dst``.
+    """
+
+    kernel: str = "flat"
+    per_sm: int = 2
+    warps: int = 8
+    maxnreg: int = 0
+    runs: int = 1
+    ahead: bool = True
+    evict: bool = False
+    graph: bool = True
+    order: str = "src"
+
+
+_SHAPE_ENV: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kernel", "BEAMSERVE_KV_LOCAL_KERNEL", ("loop", "flat")),
+    ("per_sm", "BEAMSERVE_KV_LOCAL_PER_SM", tuple(str(i) for i in range(1, 33))),
+    ("warps", "BEAMSERVE_KV_LOCAL_WARPS", ("2", "4", "8", "16")),
+    (
+        "maxnreg",
+        "BEAMSERVE_KV_LOCAL_MAXNREG",
+        ("0", "32", "40", "48", "56", "64", "80", "96", "128"),
+    ),
+    ("runs", "BEAMSERVE_KV_LOCAL_RUNS", ("1", "2", "4", "8")),
+    ("ahead", "BEAMSERVE_KV_LOCAL_AHEAD", ("0", "1")),
+    ("evict", "BEAMSERVE_KV_LOCAL_EVICT", ("0", "1")),
+    ("graph", "BEAMSERVE_KV_LOCAL_GRAPH", ("0", "1")),
+    ("order", "BEAMSERVE_KV_LOCAL_ORDER", ("plan", "src", "dst")),
+)
+
+
+def local_shape() -> LocalShape:
+    """The host-local launch shape from the environment (`LocalShape`); an unsupported value
+    raises `ValueError` naming the variable and the choices."""
+    default = LocalShape()
+    values: dict[str, Any] = {}
+    for attr, name, allowed in _SHAPE_ENV:
+        raw = os.environ.get(name, "").strip().lower()
+        if not raw:
+            continue
+        if raw not in allowed:
             raise ValueError(f"{name}: {raw!r} unsupported; choose one of {list(allowed)}")
-        out.append(int(raw))
-    return out[0], out[1]
+        kind = type(getattr(default, attr))
+        values[attr] = raw if kind is str else (raw == "1" if kind is bool else int(raw))
+    return LocalShape(**values)
+
+
+def local_launch_shape() -> tuple[int, int]:
+    """(pieces per program, warps) of the flat host-local kernel (`local_shape`)."""
+    shape = local_shape()
+    return shape.runs, shape.warps
+
+
+def loop_block(elem: int, longest: int) -> int:
+    """Elements one loop-kernel iteration moves: the longest piece rounded up to a power of
+    two, at most `BLOCK_BYTES` (so fp8's 8 KiB head slices do not mask half of each step)."""
+    cap = BLOCK_BYTES // elem
+    return min(cap, 1 << max(0, (max(longest, 1) - 1).bit_length()))
+
+
+def launch_compact_loop(
+    base: Any,
+    table: Any,
+    log2: int,
+    elem: int,
+    align: int,
+    block: int,
+    grid: int,
+    num_warps: int = 8,
+    ahead: bool = True,
+    evict: bool = False,
+    maxnreg: int = 0,
+) -> None:
+    """One launch of the host-local loop kernel on the current stream: `grid` programs, each
+    copying pieces ``pid, pid + grid, …`` of the bound `table` (`compact.program_runs` order;
+    every piece at most `block` elements); `maxnreg` caps registers per thread (0: no cap).
+    Same arguments otherwise as `launch_compact`."""
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPES[elem])
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    _loop_kernel()[(grid,)](
+        base.view(dtype), table, LOG2=log2, ROWS=1 << log2, ALIGN=align, BLOCK=block,
+        AHEAD=ahead, EVICT="evict_first" if evict else "", num_warps=num_warps, num_stages=1,
+        **extra,
+    )  # fmt: skip
+
+
+def loop_probe_table(words: int, src: int, dst: int) -> I64:
+    """A bound loop-kernel table of one segment, one block and one run: `words` 8-byte
+    elements from element `src` to element `dst` of the base (the self-check's and the
+    compile-ahead's table; the layout is `compact.kernel_tables`')."""
+    rows = 1 << 6
+    o_bsrc = 8 + 6 * rows
+    table = np.zeros(o_bsrc + 5, dtype=np.int64)
+    table[:6] = (o_bsrc, o_bsrc + 1, o_bsrc + 2, o_bsrc + 3, o_bsrc + 4, 1)
+    table[8 : 8 + rows] = np.iinfo(np.int64).max
+    table[8] = 0  # seg_start
+    table[8 + rows] = 1  # seg_runs
+    table[8 + 4 * rows], table[8 + 5 * rows] = src, dst  # region offsets
+    table[o_bsrc + 4] = words  # the run's length (bases and run offsets 0)
+    return table
 
 
 def engine() -> str:
@@ -299,9 +424,43 @@ def _probe() -> None:
         for steps in range(1, PIECE_BYTES // BLOCK_BYTES + 1):
             _launch(words, words, table, 2, BLOCK_BYTES // 8, steps)
         torch.cuda.synchronize()
+        try:
+            _probe_loop(dev)
+        except Exception as exc:  # the flat kernel still serves the host-local driver
+            _state["loop_ok"] = False
+            log.warning("kv_local_loop_kernel_unavailable", error=repr(exc), kernel="flat")
+
+
+def _probe_loop(dev: str) -> None:
+    """Check the host-local loop kernel in the configured shape (`local_shape`) on one run,
+    compiling its bf16 and fp8 page variants (16 and 8 KiB steps) before any timed copy."""
+    import torch
+
+    shape = local_shape()
+    if shape.kernel != "loop":
+        return
+    n = BLOCK_BYTES // 8
+    for block in (n, n // 2):
+        space = torch.arange(4 * n, dtype=torch.int64, device=dev)
+        table = torch.from_numpy(loop_probe_table(block - 2, 2, 2 * n)).to(dev)
+        launch_compact_loop(
+            space.view(torch.uint8), table, 6, 8, 2, block, 3, shape.warps, shape.ahead,
+            shape.evict, shape.maxnreg,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        want = np.arange(4 * n, dtype=np.int64)
+        want[2 * n : 2 * n + block - 2] = np.arange(2, block)
+        if not np.array_equal(space.cpu().numpy(), want):
+            raise RuntimeError("the host-local loop kernel wrote wrong words in its self-check")
+
+
+def loop_available() -> bool:
+    """False where the loop kernel failed its self-check in this process (`engine()`)."""
+    return bool(_state.get("loop_ok", True))
 
 
 def reset() -> None:
     """Forget the engine choice (tests)."""
     _state.pop("engine", None)
     _state.pop("hints", None)
+    _state.pop("loop_ok", None)

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import structlog
 from beamserve.kv_transfer import content, host_local, kernels
 from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
 from beamserve.kv_transfer.compact import KernelTables
@@ -25,6 +26,8 @@ from beamserve.kv_transfer.errors import KVTransferError, PeerLostError, Transfe
 from beamserve.kv_transfer.memory import MemoryKind, allocate, copy_runs
 from beamserve.kv_transfer.staging import PoolStats, StagingPool
 from beamserve.kv_transfer.topology import PoolLayout, RequestPages
+
+log = structlog.get_logger(__name__)
 
 # Extra seconds a rank gets past a call's own deadline before the group kills it.
 GRACE_S = 5.0
@@ -320,7 +323,7 @@ def _portable(exc: BaseException) -> BaseException:
     return RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
-LOCAL_IN = ("rank0", "caller")
+LOCAL_IN = ("auto", "rank0", "caller")
 
 
 def _caller_engine(device: int) -> str:
@@ -333,7 +336,10 @@ def _caller_engine(device: int) -> str:
         torch.cuda.set_device(device)
     except ImportError:
         return "none (no torch in the calling process)"
-    return kernels.engine()
+    try:
+        return kernels.engine()
+    except RuntimeError as exc:  # BEAMSERVE_KV_COPY=triton and the kernel failed here
+        return f"none ({exc})"
 
 
 class RankGroup:
@@ -353,12 +359,15 @@ class RankGroup:
         self.memory, self.staging_bytes = MemoryKind(memory), staging_bytes
         self.device = device
         self._engine0: str | None = None  # the host-local driver's copy engine, asked once
-        # Where the host-local driver runs: in rank 0's process (a pipe round trip per pull)
-        # or in this, the calling process (no pipe; this process then holds a CUDA context).
-        self.local_in = local_in or os.environ.get("BEAMSERVE_KV_LOCAL_IN", "rank0") or "rank0"
+        # Where the host-local driver runs: in rank 0's process (a pipe round trip per pull),
+        # in this, the calling process (no pipe; this process then holds a CUDA context), or
+        # `auto` (the default): the caller where it can run the Triton engine itself (torch
+        # with CUDA on this group's GPU, the kernel's self-check passed), else rank 0.
+        raw = local_in or os.environ.get("BEAMSERVE_KV_LOCAL_IN", "auto") or "auto"
+        self.local_in = raw.strip().lower()
         if self.local_in not in LOCAL_IN:
             raise KVTransferError(
-                f"BEAMSERVE_KV_LOCAL_IN: {self.local_in!r} unsupported; choose one of {LOCAL_IN}"
+                f"BEAMSERVE_KV_LOCAL_IN: {raw!r} unsupported; choose one of {LOCAL_IN}"
             )
         self._caller_driver: host_local.HostLocalDriver | None = None
         ctx = mp.get_context("spawn")
@@ -441,9 +450,13 @@ class RankGroup:
         why = host_local.refusal([*peers, *self.infos], self.memory, self.device)
         if why is None:
             if self._engine0 is None:
-                if self.local_in == "caller":
+                if self.local_in in ("caller", "auto"):
                     self._engine0 = _caller_engine(self.device)
-                else:
+                    if self.local_in == "auto":
+                        # The caller when it runs the engine itself; rank 0 otherwise.
+                        self.local_in = "caller" if self._engine0 == "triton" else "rank0"
+                        log.info("kv_local_driver_place", place=self.local_in, caller=self._engine0)
+                if self.local_in == "rank0":
                     self._engine0 = str(self.call([0], "copy_engine", lambda _r: (), 60.0)[0])
             if self._engine0 != "triton":
                 why = (

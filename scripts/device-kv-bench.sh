@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KV transfer on the GPU device machine: GPU tests, then the VRAM benchmark matrix.
 #
-#   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|tests   (run by the `run` tool, repo root)
+#   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|local2|tests   (run by the `run` tool, repo root)
 #
 # `local` (≈ 8 min): the host-local driver (one launch for every rank). First 8:4 at 80K bf16
 # by every path, twice (driver auto: direct and auto take host_local, driven from decode rank
@@ -12,6 +12,18 @@
 # after the two 8:4 runs (≈ 2.5 min). A CPU dry run:
 #   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=nixl KV_TOKENS=2048 \
 #     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh local
+#
+# `local2` (≈ 8 min): the host-local kernels alone first (`python -m
+# beamserve.kv_transfer.kernel_bench` with KV_KB_ARGS, e.g. "--quick --no-ipc": flat and loop
+# launch shapes and piece orders against one torch copy, the launch path's CPU costs,
+# in-process driver pulls, fp8 and 1:1, IPC-mapped regions; with KV_TUNED=1 its fastest shape
+# goes to $OUT/kernel-best.env), then 8:4 at 80K bf16 `--path direct auto` twice with the defaults
+# (driver auto: in the caller where it can run CUDA), the same with the fastest shape of this
+# run (KV_TUNED=1, the default), with the driver in decode rank 0 (KV_RANK0=1, the default),
+# then the host-local GPU and CPU tests; KV_PAIRS=1 adds 4:8 8:8 1:1 and fp8 8:4 by auto. On
+# the CPU (KV_MEMORY=dram) the kernel bench is skipped. A CPU dry run:
+#   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=cma KV_TOKENS=2048 \
+#     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh local2
 #
 # `kernel` (≈ 3 min): 8:4 at 80K bf16 by every path with the one-launch Triton copy, then the
 # same direct pull with BEAMSERVE_KV_COPY=torch (the copy engine before it, same machine), then
@@ -102,6 +114,35 @@ case "$MODE" in
     lbench kv-transfer-local-pairs --backend "$BACK" --tokens "$TOK" --pairs 4:8 8:8 1:1 --path auto
     lbench kv-transfer-local-fp8 --backend "$BACK" --tokens "$TOK" --pairs 8:4 --kv-dtype fp8_e4m3 \
       --path auto ;;
+  local2)  # 8 files come back: env, kernel bench JSON + log, bench log, 3 JSONs, test log
+    PLOTS=/tmp; export COLUMNS=230
+    lbench() { local name=$1; shift; echo "== $name $* ($(env | grep -E '^BEAMSERVE_KV_' | tr '\n' ' '))" >> "$OUT/local-bench.log"
+      $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" 2>&1 \
+        | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
+    if [ "$MEM" = vram ]; then  # its table goes to the bench log too (8 files come back at most)
+      KB_ENV=; [ "${KV_TUNED:-1}" = 1 ] && KB_ENV="--env $OUT/kernel-best.env"
+      echo "== kernel_bench ${KV_KB_ARGS:-}" >> "$OUT/local-bench.log"
+      $PY -m beamserve.kv_transfer.kernel_bench --json "$OUT/kernel-bench.json" $KB_ENV ${KV_KB_ARGS:-} 2>&1 \
+        | grep -v CudaIPCTypes | tee -a "$OUT/local-bench.log" | tail -36
+    fi
+    lbench kv-transfer-local2 --backend "$BACK" --tokens "$TOK" "$TOK" --pairs 8:4 --path direct auto
+    if [ "${KV_TUNED:-1}" = 1 ] && [ -f "$OUT/kernel-best.env" ]; then
+      ( . "$OUT/kernel-best.env"; lbench kv-transfer-local2-tuned --backend "$BACK" --tokens "$TOK" "$TOK" \
+          --pairs 8:4 --path auto )
+    fi
+    if [ "${KV_RANK0:-1}" = 1 ]; then BEAMSERVE_KV_LOCAL_IN=rank0 lbench kv-transfer-local2-rank0 \
+      --backend "$BACK" --tokens "$TOK" "$TOK" --pairs 8:4 --path auto; fi
+    if [ "${KV_PAIRS:-0}" = 1 ]; then
+      lbench kv-transfer-local2-pairs --backend "$BACK" --tokens "$TOK" --pairs 4:8 8:8 1:1 --path auto
+      lbench kv-transfer-local2-fp8 --backend "$BACK" --tokens "$TOK" --pairs 8:4 --kv-dtype fp8_e4m3 --path auto
+    fi
+    if [ "${KV_TESTS:-1}" = 1 ]; then
+      $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+        "$REPO/tests/kv_transfer/test_gpu.py" -k "host_local or compact or ${KV_GPU_K:-cuda_ipc_pulls}" \
+        "$REPO/tests/kv_transfer/test_compact.py" "$REPO/tests/kv_transfer/test_host_local.py" \
+        "$REPO/tests/kv_transfer/test_kernels.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes \
+        | grep -E 'host-local kernel|runs .* warps|loop|passed|failed|error|Error|SKIP' | tail -16
+    fi ;;
   full)  # the GPU tests, then the matrix: 80K tokens, 4 pairs, bf16 and fp8, 3 paths
     $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
       "$REPO/tests/kv_transfer/test_gpu.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | tail -15

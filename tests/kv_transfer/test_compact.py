@@ -153,8 +153,41 @@ def test_beam_80k_8_to_4_fits_a_few_hundred_kb() -> None:
     assert plan.descriptors == compact.descriptors == t.programs == 189_824
     assert len(compact.segments) == t.segments == 16
     assert t.nbytes < 300_000 < 24 * plan.descriptors
-    assert (t.elem, t.align, t.steps) == (8, 2, 1)
+    assert (t.elem, t.align, t.steps, t.longest) == (8, 2, 1, 2048)
     assert t.nbytes_moved == plan.bytes_moved == 3_110_076_416
+
+
+def test_pieces_are_one_loop_step_at_most() -> None:
+    """1:1 at 80K: a page's 8 heads are one 128 KiB run; the table splits it into 16 KiB
+    pieces (one loop-kernel step each), which the kernel's runs still coalesce back into."""
+    m, n = beam_1_0(), 81920
+    src, dst = pool_for(m, 1, n), pool_for(m, 1, n)
+    rng = np.random.default_rng(3)
+    sp, dp = scattered_pages(src, n, rng), scattered_pages(dst, n, rng)
+    plan = plan_transfer(src, dst, n, sp, dp)
+    t = kernel_tables(compact_plan(src, dst, n, sp, dp))
+    assert (t.steps, t.longest) == (1, 2048)
+    assert t.programs == 8 * plan.descriptors
+    big = kernel_tables(compact_plan(src, dst, n, sp, dp), piece_bytes=64 << 10)
+    assert (big.steps, big.longest, big.programs) == (4, 8192, 2 * plan.descriptors)
+
+
+def test_bind_into_a_given_buffer_writes_what_bind_returns() -> None:
+    m = beam_1_0()
+    src, dst = pool_for(m, 2, 512), pool_for(m, 1, 512)
+    rng = np.random.default_rng(4)
+    sp, dp = scattered_pages(src, 512, rng), scattered_pages(dst, 512, rng)
+    t = kernel_tables(compact_plan(src, dst, 512, sp, dp))
+    addrs = ([1 << 30, 3 << 30], [5 << 30])
+    want = t.bind(*addrs, 1 << 30)
+    out = np.full(len(t.table) + 10, -7, dtype=np.int64)
+    got = t.bind(*addrs, 1 << 30, out=out[: len(t.table)])
+    assert got is not None and np.shares_memory(got, out)
+    np.testing.assert_array_equal(out[: len(t.table)], want)
+    assert (out[len(t.table) :] == -7).all()  # nothing written past the table
+    assert not (want == t.table).all()  # the region columns were written
+    with pytest.raises(TransferPlanError, match="bind into"):
+        t.bind(*addrs, 1 << 30, out=out)
 
 
 def test_same_errors_as_the_planner() -> None:
@@ -184,6 +217,16 @@ def test_bind_refuses_a_misaligned_or_low_region() -> None:
 
 INTERPRETED = """
 import numpy as np, torch
+import triton.runtime.interpreter as ti
+
+# Triton 3.6's interpreter turns a scalar (a 1-element array there) into a loop bound with
+# int(array), which NumPy >= 2.4 refuses for arrays of one dimension: take the element.
+_patch = ti._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+ti._patch_lang_tensor = _patched
+
 from beamserve.kv_transfer import kernels
 from beamserve.kv_transfer.bench import pool_for, scattered_pages
 from beamserve.kv_transfer.compact import compact_plan, kernel_tables, program_runs
@@ -211,6 +254,27 @@ for s_tp, d_tp, seq in ((8, 4, 300), (2, 1, 129), (1, 1, 77)):
         kernels.launch_compact(space, torch.from_numpy(table), t.log2, t.elem, t.align,
                                t.steps, t.programs, runs)
         assert np.array_equal(space.numpy(), want), (s_tp, d_tp, seq, runs)
+    # The loop kernel: grids smaller than, equal to and larger than the piece count, with
+    # and without the look-ahead; and a table whose runs are split into many short pieces.
+    block = kernels.loop_block(t.elem, t.longest)
+    for grid, ahead in ((1, True), (5, False), (t.programs, True), (t.programs + 3, False)):
+        space = torch.from_numpy(host.copy())
+        kernels.launch_compact_loop(space, torch.from_numpy(table), t.log2, t.elem, t.align,
+                                    block, grid, 4, ahead, grid == 5)
+        assert np.array_equal(space.numpy(), want), (s_tp, d_tp, seq, grid, ahead)
+    short = kernel_tables(compact_plan(src, dst, seq, sp, dp), piece_bytes=48, block_bytes=48)
+    bound = short.bind(offs, doffs, 0)
+    assert short.programs > t.programs and short.longest * short.elem <= 48
+    space = torch.from_numpy(host.copy())
+    kernels.launch_compact_loop(space, torch.from_numpy(bound), short.log2, short.elem,
+                                short.align, kernels.loop_block(short.elem, short.longest), 7)
+    assert np.array_equal(space.numpy(), want), (s_tp, d_tp, seq, "short pieces")
+# A kernel that copies nothing fails the comparison: the check can fail.
+space = torch.from_numpy(host.copy())
+table0 = table.copy()
+table0[5] = 0
+kernels.launch_compact_loop(space, torch.from_numpy(table0), t.log2, t.elem, t.align, block, 3)
+assert not np.array_equal(space.numpy(), want)
 print("ok")
 """
 
@@ -228,3 +292,34 @@ def test_compact_kernel_under_the_triton_interpreter() -> None:
         cwd="/",
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), by=st.sampled_from(["src", "dst"]), seed=st.integers(0, 2**32 - 1))
+def test_reordered_tables_move_the_same_runs_and_bytes(case: Case, by: str, seed: int) -> None:
+    """Sorting each segment's runs changes which program copies what, nothing else."""
+    args = (case.src, case.dst, case.seq_len, case.src_pages, case.dst_pages)
+    plan = plan_transfer(*args)
+    t = kernel_tables(compact_plan(*args))
+    r = kernel_tables(compact_plan(*args), order=by)
+    assert (r.programs, r.nbytes, r.steps, r.longest) == (t.programs, t.nbytes, t.steps, t.longest)
+    src, dst, size = address_space(plan)
+    a = np.stack(program_runs(t, t.bind(src, dst, 0)), axis=1)
+    b = np.stack(program_runs(r, r.bind(src, dst, 0)), axis=1)
+    np.testing.assert_array_equal(np.unique(a, axis=0), np.unique(b, axis=0))
+    assert len(np.unique(b, axis=0)) == len(b)  # no piece twice
+    if len(b) > 1 and plan.src.topology.tp_size <= 8:  # sorted inside each segment's block
+        rows = 1 << r.log2
+        for k in range(r.segments):
+            start, cnt = int(r.table[8 + k]), int(r.table[8 + rows + k])
+            col = 0 if by == "src" else 1
+            seg = b[start : start + cnt, col]
+            assert (np.diff(seg) > 0).all()
+    space = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    got_t, got_r = space.copy(), space.copy()
+    for got, runs in ((got_t, a), (got_r, b)):
+        for so, do, n in (runs * t.elem).tolist():
+            got[do : do + n] = space[so : so + n]
+    np.testing.assert_array_equal(got_t, got_r)
+    with pytest.raises(TransferPlanError, match="order"):
+        kernel_tables(compact_plan(*args), order="random")

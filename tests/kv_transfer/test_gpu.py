@@ -249,6 +249,7 @@ def _beam_pages(lay: PoolLayout, rng: np.random.Generator) -> RequestPages:
         (4, 8, KVDtype.FP8_E4M3, "rank0"),
         (1, 1, KVDtype.BF16, "rank0"),
         (8, 4, KVDtype.BF16, "caller"),
+        (8, 4, KVDtype.BF16, "auto"),  # the calling process holds CUDA here: the caller
     ],
 )
 def test_host_local_driver_pulls_vram(
@@ -260,10 +261,11 @@ def test_host_local_driver_pulls_vram(
             res = rig.pull_and_verify(path)
             assert res.driver == "host_local", res.choice
             assert res.path is TransferPath.DIRECT and res.kernel_ms > 0
-            assert res.driver_in == local_in and set(res.phases_ms) >= {"bind", "wait"}
+            where = "caller" if local_in == "auto" else local_in
+            assert res.driver_in == where and set(res.phases_ms) >= {"bind", "wait"}
         res = rig.pull_and_verify(TransferPath.STAGED)  # staging stays with the ranks
         assert res.driver == "ranks"
-        if local_in == "caller":
+        if local_in in ("caller", "auto"):
             driver = rig.decode._caller_driver
             assert driver is not None
             stats = driver.stats()
@@ -343,8 +345,18 @@ def test_compact_kernel_in_one_process(src_tp: int, dst_tp: int, dtype: KVDtype,
     torch.cuda.synchronize()
     for r, b in enumerate(d_bufs):
         assert np.array_equal(b.host(), want[r]), f"destination rank {r}"
+    engine = driver._engine
+    assert engine is not None and engine.launches == 1 and engine.replays == 0
     if seq == 81920:
         times = [driver.pull(t, s_agents, d_agents, time.monotonic() + 60) for _ in range(5)]
+        # The later launches are graph replays over the same buffers.
+        assert engine.replays == (5 if engine.shape.graph else 0)
+        for b in d_bufs:
+            b.data.fill_(0x5A)  # on this stream: the driver's stream waits for it
+        driver.pull(t, s_agents, d_agents, time.monotonic() + 60)
+        torch.cuda.synchronize()
+        for r, b in enumerate(d_bufs):
+            assert np.array_equal(b.host(), want[r]), f"destination rank {r} after a replay"
         kernel = float(np.median([x.kernel_s for x in times]))
         flat_a = allocate(MemoryKind.VRAM, plan.bytes_moved).data
         flat_b = torch.empty_like(flat_a)

@@ -11,6 +11,7 @@ The decode group in the end-to-end tests is an in-process stand-in that says its
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -46,12 +47,14 @@ from beamserve.kv_transfer.handshake import (
     build_handshake_app,
 )
 from beamserve.kv_transfer.host_local import (
+    GONE,
     HostLocalDriver,
     NumpyEngine,
     RegionOwner,
     host_identity,
     owner_alive,
     refusal,
+    watch_owner,
 )
 from beamserve.kv_transfer.memory import Buffer, MemoryKind, copy_runs
 from beamserve.kv_transfer.model import beam_1_0
@@ -335,6 +338,83 @@ def test_owner_liveness() -> None:
     assert owner_alive(RegionOwner(gone["boot_id"], gone["pid"], "pid:[1]"))
 
 
+def test_owners_are_watched_through_pidfds() -> None:
+    me = host_identity()
+    fd = watch_owner(RegionOwner(me["boot_id"], me["pid"], me["pid_ns"]))
+    if fd is None:
+        pytest.skip("no pidfd_open here (the driver falls back to kill(pid, 0))")
+    assert fd >= 0
+    os.close(fd)
+    gone = dead_owner()
+    assert watch_owner(RegionOwner(gone["boot_id"], gone["pid"], gone["pid_ns"])) == GONE
+    assert watch_owner(RegionOwner(gone["boot_id"], gone["pid"], "pid:[1]")) is None
+    assert watch_owner(None) is None
+
+
+class ZombieEngine(NumpyEngine):
+    """Copies, then the source's process dies and stays unreaped (a zombie) while the driver
+    looks again: `kill(pid, 0)` cannot tell, the pidfd can."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    def launch(self, *args: Any) -> Any:
+        out = super().launch(*args)
+        self.proc.kill()
+        time.sleep(0.2)
+        return out
+
+
+def test_an_owner_exited_but_unreaped_during_the_copy_voids_the_pull() -> None:
+    pools = make_pools()
+    proc = subprocess.Popen(["sleep", "30"])
+    owner = {**host_identity(), "pid": proc.pid}
+    if watch_owner(RegionOwner(owner["boot_id"], proc.pid, owner["pid_ns"])) is None:
+        proc.kill()
+        proc.wait()
+        pytest.skip("no pidfd_open here")
+    agents = [replace(a, metadata=metadata(owner)) for a in pools.src_agents]
+    driver = HostLocalDriver({}, opener(pools), ZombieEngine(proc))
+    try:
+        with pytest.raises(PeerLostError, match="exited during"):
+            driver.pull(pools.tables(), agents, pools.dst_agents, soon())
+        assert agents[0].name not in driver._mapped and agents[0].name not in driver._watch
+    finally:
+        proc.wait()
+    driver.close()
+    assert driver._watch == {} and driver.stats().mapped_regions == 0
+
+
+class UploadEngine(NumpyEngine):
+    """An engine with an upload buffer (as the Triton engine's pinned one)."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(0, dtype=np.int64)
+        self.seen: list[bool] = []
+
+    def upload_buffer(self, n: int) -> Any:
+        if len(self.buf) < n:
+            self.buf = np.zeros(2 * n, dtype=np.int64)
+        return self.buf[:n]
+
+    def launch(self, t: Any, table: Any, regions: Any, base: Any) -> Any:
+        self.seen.append(bool(np.shares_memory(table, self.buf)))
+        return super().launch(t, table, regions, base)
+
+
+def test_the_table_is_bound_straight_into_the_engines_upload_buffer() -> None:
+    pools = make_pools()
+    engine = UploadEngine()
+    driver = HostLocalDriver({}, opener(pools), engine)
+    t = pools.tables()
+    driver.pull(t, pools.src_agents, pools.dst_agents, soon())
+    assert pools.verify()
+    assert engine.seen == [True]
+    addrs = [b.addr for b in pools.src_bufs], [b.addr for b in pools.dst_bufs]
+    base = min(b.addr for b in pools.src_bufs + pools.dst_bufs)
+    np.testing.assert_array_equal(engine.buf[: len(t.table)], t.bind(*addrs, base))
+
+
 def test_configured_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BEAMSERVE_KV_DRIVER", raising=False)
     assert host_local.configured_driver() == "auto"
@@ -555,3 +635,27 @@ def test_rank_group_refuses_an_unknown_driver_place(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("BEAMSERVE_KV_LOCAL_IN", "gpu")
     with pytest.raises(KVTransferError, match="caller"):
         RankGroup("decode", lay, "cma")
+
+
+@pytest.mark.parametrize(
+    ("caller_engine", "place"),
+    [("triton", "caller"), ("none (no CUDA in the calling process)", "rank0")],
+)
+def test_driver_place_auto_is_the_caller_where_it_runs_the_engine(
+    monkeypatch: pytest.MonkeyPatch, caller_engine: str, place: str
+) -> None:
+    """`auto` (the default place) drives from the calling process where it runs the Triton
+    engine itself, else from decode rank 0 (asked for its engine through the pipe)."""
+    from beamserve.kv_transfer import rank
+
+    monkeypatch.delenv("BEAMSERVE_KV_LOCAL_IN", raising=False)
+    group = rank.RankGroup.__new__(rank.RankGroup)  # no processes: the choice alone
+    group.memory, group.device, group.infos = MemoryKind.VRAM, 0, []
+    group.local_in, group._engine0 = "auto", None
+    asked: list[str] = []
+    group.call = lambda ranks, cmd, args, timeout_s: asked.append(cmd) or ["triton"]  # type: ignore[method-assign]
+    monkeypatch.setattr(rank.host_local, "refusal", lambda *a: None)
+    monkeypatch.setattr(rank, "_caller_engine", lambda device: caller_engine)
+    assert group.host_local_refusal([]) is None
+    assert group.local_in == place
+    assert asked == ([] if place == "caller" else ["copy_engine"])

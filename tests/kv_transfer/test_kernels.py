@@ -161,3 +161,47 @@ def test_the_triton_kernel_under_the_cpu_interpreter() -> None:
         cwd="/",
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# --- the host-local launch shape and the loop kernel's helpers ----------------------------
+
+
+def test_local_shape_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for _attr, name, _allowed in kernels._SHAPE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    default = kernels.local_shape()
+    assert default == kernels.LocalShape()
+    assert (default.kernel, default.graph, default.order) == ("flat", True, "src")
+    assert kernels.local_launch_shape() == (default.runs, default.warps)
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_KERNEL", "Flat")
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_PER_SM", "6")
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_GRAPH", "0")
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_MAXNREG", "0")
+    got = kernels.local_shape()
+    assert (got.kernel, got.per_sm, got.graph, got.maxnreg) == ("flat", 6, False, 0)
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_WARPS", "3")
+    with pytest.raises(ValueError, match=r"BEAMSERVE_KV_LOCAL_WARPS.*'16'"):
+        kernels.local_shape()
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_WARPS", "4")
+    monkeypatch.setenv("BEAMSERVE_KV_LOCAL_PER_SM", "0")
+    with pytest.raises(ValueError, match="BEAMSERVE_KV_LOCAL_PER_SM"):
+        kernels.local_shape()
+
+
+def test_loop_block_is_the_longest_piece_as_a_power_of_two() -> None:
+    words = kernels.BLOCK_BYTES // 8
+    assert kernels.loop_block(8, words) == words  # bf16 head slices: one 16 KiB step
+    assert kernels.loop_block(8, words // 2) == words // 2  # fp8: 8 KiB, nothing masked
+    assert kernels.loop_block(8, 3) == 4 and kernels.loop_block(8, 0) == 1
+    assert kernels.loop_block(8, 10 * words) == words  # capped at one step
+    assert kernels.loop_block(1, 100) == 128 and kernels.loop_block(1, 10**9) == 16384
+
+
+def test_loop_probe_table_is_one_run_as_the_kernel_reads_it() -> None:
+    from beamserve.kv_transfer.compact import KernelTables, program_runs
+
+    table = kernels.loop_probe_table(2046, 2, 4096)
+    t = KernelTables(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 8, 2, 6, 1, 1, 16368)
+    so, do, n = program_runs(t, table)
+    assert (so.tolist(), do.tolist(), n.tolist()) == ([2], [4096], [2046])
+    assert int(table[5]) == 1  # one piece: the kernel's bound
