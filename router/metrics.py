@@ -11,7 +11,9 @@ With replica sync on: gauges `replica_sync_connected`, `replica_sync_peers` (fre
 `worker_peer_in_flight{worker}` and `worker_peer_prefill_tokens{worker}` (what the fresh peers
 book there); counters `replica_sync_messages_total{direction}` (published | received),
 `replica_sync_bytes_total{direction}`, `replica_sync_dropped_total` (not sent: Redis down or
-the outbox full), `replica_sync_errors_total`, `replica_sync_decode_errors_total`.
+the outbox full), `replica_sync_errors_total`, `replica_sync_decode_errors_total`,
+`replica_sync_room_tokens_total{kind}` (flow-control room moved between replicas: granted |
+received | borrowed | lent; `router/flow/controller.py`, "Several replicas").
 Histogram: `decision_seconds` (routing step: tokenize + hash + match + policy).
 """
 
@@ -95,6 +97,15 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         ("decode_errors", "Sync messages that could not be decoded (dropped)."),
     ):
         yield CounterMetricFamily(f"{p}_{name}", doc, value=sync[name])
+    room = CounterMetricFamily(
+        f"{p}_room_tokens",
+        "Flow-control room moved between replicas while saturated (tokens), by kind: granted "
+        "to / received from peers whose turns waited, borrowed from / lent to peers' banks.",
+        labels=["kind"],
+    )
+    for kind in ("granted", "received", "borrowed", "lent"):
+        room.add_metric([kind], sync[f"room_{kind}"])
+    yield room
     for name, doc in (
         ("in_flight", "Requests in flight per worker booked by the fresh peer replicas."),
         ("prefill_tokens", "Uncached prompt tokens in prefill booked by the fresh peers."),

@@ -195,6 +195,10 @@ class RouterRuntime:
             "dropped": t.dropped,
             "errors": t.errors,
             "decode_errors": st.decode_errors,
+            "room_granted": st.room_granted,
+            "room_received": st.room_received,
+            "room_borrowed": st.room_borrowed,
+            "room_lent": st.room_lent,
             "peer_in_flight": in_flight,
             "peer_prefill_tokens": prefill,
         }

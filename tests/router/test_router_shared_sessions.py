@@ -64,6 +64,7 @@ def test_sessions_follow_their_worker_across_router_replicas(
 
     peers_settled(a)
     assert metric(a.url, "beamserve_router_replica_sync_messages_total", direction="received") > 0
+    assert metric(a.url, "beamserve_router_replica_sync_room_tokens_total", kind="lent") == 0
     # Redis dies: both replicas keep serving, from what they know locally
     redis_server.kill()
     t0 = time.monotonic()
