@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from beamserve.router.core import CoreConfig, RoutingCore
-from beamserve.router.flow import FlowConfig, FlowController
+from beamserve.router.flow import FlowConfig, FlowController, Ticket
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import NO_BOOKING, BookCounts, Flight, LoadBook
 from beamserve.router.policy import build_policy
@@ -729,70 +730,77 @@ class Headroom:
         self.headroom, self.pending = headroom, 0
 
 
+@dataclass
+class TwoQueues:
+    """Replicas `a` and `b` on one bus, saturated with work in flight; a new session queued
+    at `b` (`old`), then one at `a` a second later (`young`); both heard by the peer."""
+
+    bus: Bus
+    b: ReplicaSync
+    fa: FlowController
+    fb: FlowController
+    ga: Headroom
+    gb: Headroom
+    held: list[Ticket]
+    old: asyncio.Task[Ticket]
+    young: asyncio.Task[Ticket]
+
+
+async def two_queued_sessions() -> TwoQueues:
+    bus = Bus()
+    ga, gb = Headroom(), Headroom()
+    _a, fa = attached_replica(bus, "a", ga)
+    b, fb = attached_replica(bus, "b", gb)
+    ga.snapshot(10**6)
+    gb.snapshot(10**6)
+    held = [await f.admit("new", f"h{i}", 10) for i, f in enumerate((fa, fb))]
+    ga.snapshot(0)
+    gb.snapshot(0)  # saturated, with work in flight: new sessions wait
+    old = asyncio.create_task(fb.admit("new", "old", 100))
+    await _settle()
+    bus.advance(1.0)
+    young = asyncio.create_task(fa.admit("new", "young", 100))
+    await _settle()
+    bus.advance(0.01)
+    assert not old.done() and not young.done()
+    return TwoQueues(bus, b, fa, fb, ga, gb, held, old, young)
+
+
 def test_when_the_gate_opens_the_session_queued_longest_across_replicas_goes_first() -> None:
     async def main() -> None:
-        bus = Bus()
-        ga, gb = Headroom(), Headroom()
-        _a, fa = attached_replica(bus, "a", ga)
-        b, fb = attached_replica(bus, "b", gb)
-        ga.snapshot(10**6)
-        gb.snapshot(10**6)
-        held = [await f.admit("new", f"h{i}", 10) for i, f in enumerate((fa, fb))]
-        ga.snapshot(0)
-        gb.snapshot(0)  # saturated, with work in flight: new sessions wait
-        old = asyncio.create_task(fb.admit("new", "old", 100))
-        await _settle()
-        bus.advance(1.0)
-        young = asyncio.create_task(fa.admit("new", "young", 100))
-        await _settle()
-        bus.advance(0.01)
-        assert not old.done() and not young.done()
+        q = await two_queued_sessions()
         # the pool has room for one session, and each replica would take its own first
-        ga.snapshot(150)
-        fa.poll()
+        q.ga.snapshot(150)
+        q.fa.poll()
         await _settle()
-        assert not young.done()  # b's session has waited longer
-        gb.snapshot(150)
-        fb.poll()
+        assert not q.young.done()  # b's session has waited longer
+        q.gb.snapshot(150)
+        q.fb.poll()
         await _settle()
-        assert old.done()
-        bus.advance(0.01)  # b's queue is empty now, and a hears it
-        ga.snapshot(150)
-        fa.poll()
+        assert q.old.done()
+        q.bus.advance(0.01)  # b's queue is empty now, and a hears it
+        q.ga.snapshot(150)
+        q.fa.poll()
         await _settle()
-        assert young.done()
-        for t in (*held, old.result(), young.result()):
+        assert q.young.done()
+        for t in (*q.held, q.old.result(), q.young.result()):
             t.release()
-        bus.advance(0.01)
-        assert b.state.older_heads("new", bus.now, bus.now) == 0  # a's queue is empty too
+        q.bus.advance(0.01)
+        assert q.b.state.older_heads("new", q.bus.now, q.bus.now) == 0  # a's is empty too
 
     asyncio.run(main())
 
 
 def test_room_for_both_lets_the_younger_session_go_at_once() -> None:
     async def main() -> None:
-        bus = Bus()
-        ga, gb = Headroom(), Headroom()
-        _a, fa = attached_replica(bus, "a", ga)
-        _b, fb = attached_replica(bus, "b", gb)
-        ga.snapshot(10**6)
-        gb.snapshot(10**6)
-        held = [await f.admit("new", f"h{i}", 10) for i, f in enumerate((fa, fb))]
-        ga.snapshot(0)
-        gb.snapshot(0)
-        old = asyncio.create_task(fb.admit("new", "old", 100))
+        q = await two_queued_sessions()
+        q.ga.snapshot(250)  # room for this one and the older one at b
+        q.fa.poll()
         await _settle()
-        bus.advance(1.0)
-        young = asyncio.create_task(fa.admit("new", "young", 100))
-        await _settle()
-        bus.advance(0.01)
-        ga.snapshot(250)  # room for this one and the older one at b
-        fa.poll()
-        await _settle()
-        assert young.done() and not old.done()
-        for t in (*held, young.result()):
+        assert q.young.done() and not q.old.done()
+        for t in (*q.held, q.young.result()):
             t.release()
-        old.cancel()
+        q.old.cancel()
         await _settle()
 
     asyncio.run(main())
