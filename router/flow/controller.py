@@ -279,6 +279,7 @@ class FlowController:
         self.on_head: Callable[[Band, float | None], None] | None = None
         self.older_peers: Callable[[Band, float], int] | None = None
         self._reported_heads: dict[Band, float | None] = {}
+        self._heads_stale = False  # a queue or a tenant's service changed since the report
 
     # --- public --------------------------------------------------------------------------------
 
@@ -369,6 +370,7 @@ class FlowController:
                 self._shed_item(victim, "overload", f"evicted by a {band!r} arrival")
         self._queues[band].setdefault(item.tenant, deque()).append(item)
         self._queued[band] += 1
+        self._heads_stale = True
         heapq.heappush(self._deadlines, (item.deadline, item.seq, item))
         if band == "continuing" and self.on_continuing_queued is not None:
             self.on_continuing_queued(self._queued[band])
@@ -393,6 +395,7 @@ class FlowController:
         if not queue:
             del self._queues[item.band][item.tenant]
         self._queued[item.band] -= 1
+        self._heads_stale = True
         item.state = state
         if item.band == "continuing" and self.on_continuing_queued is not None:
             self.on_continuing_queued(self._queued["continuing"])
@@ -471,6 +474,9 @@ class FlowController:
             self.on_room(banked)
 
     def _report_heads(self, now: float) -> None:
+        if not self._heads_stale:  # the heads only move when a queue or a charge changes
+            return
+        self._heads_stale = False
         for band in BANDS[1:]:
             head = self._next_in(band, now)
             since = None if head is None else head.enqueued_at
@@ -513,6 +519,7 @@ class FlowController:
         self._in_flight -= 1
         self._in_flight_tokens -= ticket.cost_tokens
         self._service.charge(ticket.tenant, service_tokens - ticket.cost_tokens, now)
+        self._heads_stale = True  # the charge may reorder a band's tenants
         released = getattr(self.saturation, "released", None)
         if released is not None:
             released(ticket.cost_tokens)
