@@ -14,6 +14,7 @@ rank process and a decode rank process through CUDA IPC (`cudaMemcpy` of the who
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -89,6 +90,10 @@ class TransferResult:
     estimate_local_ms: float = 0.0
     driver_in: str = ""  # host_local: "rank0" (decode rank 0's process) or "caller" (this one)
     local_phases_ms: dict[str, float] = dc_field(default_factory=dict)  # checks, bind, pipes…
+    # `--repeats N`: the row is the median of N pulls (fresh requests), the baseline the median
+    # of its N same-run measurements; every pull's seconds in the order they ran.
+    repeats: int = 1
+    seconds_each: list[float] = dc_field(default_factory=list)
 
 
 def pool_for(
@@ -265,6 +270,31 @@ class PairRig:
         self.prefill.close()
 
 
+def combine(runs: Sequence[TransferResult]) -> TransferResult:
+    """One row for `runs` of the same (backend, pair, size, path): the median pull (the lower
+    middle of an even count: a pull that happened, with its own phases), against the median
+    of the runs' same-run baselines; verified only if every pull was."""
+    if not runs:
+        raise ValueError("combine: no runs")
+    first = runs[0]
+    keys = {(r.backend, r.src_tp, r.dst_tp, r.tokens, r.path, r.kv_dtype) for r in runs}
+    if len(keys) != 1:
+        raise ValueError(f"combine: runs of different rows {sorted(keys)}")
+    ranked = sorted(runs, key=lambda r: r.seconds)
+    mid = ranked[(len(ranked) - 1) // 2]
+    base = float(np.median([r.memcpy_gbps for r in runs]))
+    same = all(r.bytes_moved == first.bytes_moved for r in runs)
+    return dataclasses.replace(
+        mid,
+        memcpy_gbps=round(base, 3),
+        baseline_ratio=round(mid.gbps / base, 3) if base else 0.0,
+        verified=all(r.verified for r in runs),
+        bytes_moved=first.bytes_moved if same else -1,  # -1 never equals bytes_minimum
+        repeats=len(runs),
+        seconds_each=[r.seconds for r in runs],
+    )
+
+
 def run_bench(
     tokens: Sequence[int] = DEFAULT_TOKENS,
     pairs: Sequence[tuple[int, int]] = DEFAULT_PAIRS,
@@ -276,7 +306,10 @@ def run_bench(
     kv_dtypes: Sequence[KVDtype] = (KVDtype.BF16,),
     staging_bytes: int | None = None,
     chunk_bytes: int | None = None,
+    repeats: int = 1,
 ) -> Iterator[TransferResult]:
+    """Rows in (backend, dtype, pair, size, path) order; each the median of `repeats` pulls of
+    fresh requests (`combine`)."""
     model = model or beam_1_0()
     for backend in backends:
         for dtype in kv_dtypes:
@@ -289,7 +322,7 @@ def run_bench(
                     rig.warm_up(paths)
                     for n in tokens:
                         for path in paths:
-                            result = rig.run(n, path=path)
+                            result = combine([rig.run(n, path=path) for _ in range(repeats)])
                             if on_result:
                                 on_result(result)
                             yield result

@@ -50,6 +50,7 @@ def bench_kv_main(args: argparse.Namespace, console: Console) -> int:
             kv_dtypes=dtypes,
             staging_bytes=args.staging_bytes,
             chunk_bytes=args.chunk_bytes,
+            repeats=args.repeats,
         ):
             results.append(r)
             if args.json:
@@ -95,7 +96,7 @@ def results_table(title: str, rows: Sequence[bench.TransferResult]) -> Table:
             f"{r.gather_ms:.1f}",
             f"{r.transfer_ms:.1f}",
             f"{r.scatter_ms:.1f}",
-            f"{r.seconds:.4f}",
+            f"{r.seconds:.4f}" + (f" (med of {r.repeats})" if r.repeats > 1 else ""),
             f"{r.gbps:.2f}",
             f"{r.memcpy_gbps:.2f}",
             f"{r.baseline_ratio:.2f}",

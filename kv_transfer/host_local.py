@@ -262,15 +262,18 @@ class _CudaLaunch:
 
 
 class TritonEngine:
-    """One host-local launch on the driver's stream, between two timing events.
+    """One host-local launch on the calling thread's current stream, between two timing events.
 
     Per request: the bound table is written (by `bind`, through `upload_buffer`) straight into
-    one pinned host buffer, copied asynchronously into one device buffer, and the kernel runs
-    over it. The loop kernel's launch (`kernels.LocalShape`) has a fixed grid, and the device
-    table buffer and the base region do not change between requests, so after its first
-    launch for a (base, table shape) key it is captured once in a CUDA graph and replayed:
-    one `cudaGraphLaunch`, not Triton's Python launch path. Buffers are reused only after the
-    previous launch finished (the driver waits for every launch).
+    one pinned host buffer; the launch copies it into one device buffer and runs the kernel over
+    it, both on the current stream, so work this process queued there before (a region written
+    here) comes first with no event or stream switch. The launch's grid and the table's length
+    are rounded up (≤ 1/8 more: idle programs read the table and copy nothing; table words past
+    the request's are never read), and the pinned buffer, the device buffer and the base region
+    do not change between requests, so after its first launch for a (base, table length, grid)
+    key, the upload *and* the kernel are captured in one CUDA graph and replayed: one
+    `cudaGraphLaunch` per request, not a copy call plus Triton's Python launch path. Buffers are
+    reused only after the previous launch finished (the driver waits for every launch).
     """
 
     def __init__(self, device: int, shape: Any = None) -> None:
@@ -282,7 +285,6 @@ class TritonEngine:
         self.shape = kernels.local_shape() if shape is None else shape
         if self.shape.kernel == "loop" and not kernels.loop_available():
             self.shape = dataclasses.replace(self.shape, kernel="flat")
-        self.stream = torch.cuda.Stream(device=device)
         self._capture_stream = torch.cuda.Stream(device=device)
         props = torch.cuda.get_device_properties(device)
         self.grid = int(props.multi_processor_count) * self.shape.per_sm
@@ -291,7 +293,6 @@ class TritonEngine:
         self._dev = torch.empty(0, dtype=torch.int64, device=f"cuda:{device}")
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._ready = torch.cuda.Event()
         self._graphs: dict[tuple[int, ...], Any] = {}
         self._graph_on = bool(self.shape.graph)
         self.launches = 0
@@ -300,12 +301,12 @@ class TritonEngine:
     def upload_buffer(self, n: int) -> Any:
         """The pinned host buffer's first `n` words, for `KernelTables.bind(out=…)`."""
         torch = self._torch
-        if self._host.numel() < n:
-            size = 1 << max(16, (n - 1).bit_length())
+        if self._host.numel() < upload_words(n):
+            size = 1 << max(16, (upload_words(n) - 1).bit_length())
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
             self._host_np = self._host.numpy()
             self._dev = torch.empty(size, dtype=torch.int64, device=f"cuda:{self.device}")
-            self._graphs.clear()  # they name the old device buffer
+            self._graphs.clear()  # they name the old buffers
         return self._host_np[:n]
 
     def launch(
@@ -317,42 +318,34 @@ class TritonEngine:
         if table.ctypes.data != buf.ctypes.data:  # bound elsewhere: one copy into the buffer
             buf[:] = table
         t0 = time.perf_counter()
-        # Work this process queued on its current stream (a region written here) comes first:
-        # one event, kept (`wait_stream` would create one per call).
-        self._ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(self._ready)
-        with torch.cuda.stream(self.stream):
-            self._dev[:n].copy_(self._host[:n], non_blocking=True)
-            self._start.record(self.stream)
-            t1 = time.perf_counter()
-            replayed = self._run(t, base)
-            t2 = time.perf_counter()
-            self._end.record(self.stream)
+        stream = torch.cuda.current_stream(self.device)
+        self._start.record(stream)
+        t1 = time.perf_counter()
+        replayed = self._run(t, base, upload_words(n))
+        t2 = time.perf_counter()
+        self._end.record(stream)
         launch = _CudaLaunch(self._start, self._end)
         launch.detail = {"upload": t1 - t0, "kernel_call": t2 - t1}
         launch.replayed = replayed
         return launch
 
-    def _run(self, t: KernelTables, base: Buffer) -> bool:
-        """Launch (or replay) the kernel for `t`; True where a captured graph ran."""
+    def _run(self, t: KernelTables, base: Buffer, words: int) -> bool:
+        """Upload the table's first `words` words and launch (or replay) the kernel for `t`;
+        True where a captured graph ran."""
         from beamserve.kv_transfer import kernels
 
         s = self.shape
         self.launches += 1
+        common = (base.addr, self._host.data_ptr(), self._dev.data_ptr(), words)
         if s.kernel == "flat" or t.steps > 1:  # pieces longer than one loop step: flat
-            # The grid rounded up (≤ 1/8 idle programs: they read the table, copy nothing), so
-            # requests of similar size share one captured launch.
-            grid = -(-t.programs // s.runs)
-            unit = 1 << max(0, grid.bit_length() - 4)
-            grid = -(-grid // unit) * unit
-            key: tuple[int, ...] = (0, base.addr, self._dev.data_ptr(), t.log2, t.elem, t.align,
-                                    t.steps, grid)  # fmt: skip
+            grid = upload_words(-(-t.programs // s.runs), floor=1)  # rounded up as the table
+            key: tuple[int, ...] = (0, *common, t.log2, t.elem, t.align, t.steps, grid)
             fn: Any = kernels.launch_compact
             args: tuple[Any, ...] = (base.data, self._dev, t.log2, t.elem, t.align, t.steps,
                                      grid * s.runs, s.runs, s.warps)  # fmt: skip
         else:
             block = kernels.loop_block(t.elem, t.longest)
-            key = (1, base.addr, self._dev.data_ptr(), t.log2, t.elem, t.align, block)
+            key = (1, *common, t.log2, t.elem, t.align, block)
             fn = kernels.launch_compact_loop
             args = (base.data, self._dev, t.log2, t.elem, t.align, block, self.grid, s.warps,
                     s.ahead, s.evict, s.maxnreg)  # fmt: skip
@@ -361,32 +354,43 @@ class TritonEngine:
             graph.replay()
             self.replays += 1
             return True
+        self._dev[:words].copy_(self._host[:words], non_blocking=True)
         fn(*args)
         if self._graph_on:
-            self._capture(key, fn, args)
+            self._capture(key, words, fn, args)
         return False
 
     def _capture(
-        self, key: tuple[int, ...], fn: Callable[..., None], args: tuple[Any, ...]
+        self, key: tuple[int, ...], words: int, fn: Callable[..., None], args: tuple[Any, ...]
     ) -> None:
-        """Record the launch just made into a graph for the next requests of this key (the
-        capture records, it does not run: it overlaps the copy in flight)."""
+        """Record the upload and the launch just made into one graph for the next requests of
+        this key (the capture records, it does not run: it overlaps the copy in flight)."""
         torch = self._torch
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(self._capture_stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
+                    self._dev[:words].copy_(self._host[:words], non_blocking=True)
                     fn(*args)
                 finally:
                     graph.capture_end()
-        except Exception as exc:  # no graphs here: Triton's launch path every time
+        except Exception as exc:  # no graphs here: a copy and Triton's launch path every time
             self._graph_on = False
             log.warning("kv_local_graph_off", error=repr(exc))
             return
         if len(self._graphs) >= GRAPHS_KEPT:
             self._graphs.pop(next(iter(self._graphs)))
         self._graphs[key] = graph
+
+
+def upload_words(n: int, floor: int = 0) -> int:
+    """`n` rounded up to a multiple of 1/8 of its power of two (at least `floor`): how many
+    table words a launch uploads, and its grid, so that requests of similar size share one
+    captured graph (at most 1/8 more than needed)."""
+    n = max(n, floor)
+    unit = 1 << max(0, n.bit_length() - 4)
+    return -(-n // unit) * unit
 
 
 def open_cuda_ipc(info: AgentInfo) -> Buffer:

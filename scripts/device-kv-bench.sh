@@ -21,7 +21,8 @@
 # (driver auto: in the caller where it can run CUDA), the same with the fastest shape of this
 # run (KV_TUNED=1, the default), with the driver in decode rank 0 (KV_RANK0=1, the default),
 # then the host-local GPU and CPU tests; KV_PAIRS=1 adds 4:8 8:8 1:1 and fp8 8:4 by auto. On
-# the CPU (KV_MEMORY=dram) the kernel bench is skipped. A CPU dry run:
+# the CPU (KV_MEMORY=dram) the kernel bench is skipped. KV_REPEATS=N: every bench row the median
+# of N pulls (`--repeats`). A CPU dry run:
 #   PY=.venv/bin/python KV_SITE=0 KV_MEMORY=dram KV_BACKEND=cma KV_TOKENS=2048 \
 #     OUT=/tmp/kv-dry bash scripts/device-kv-bench.sh local2
 #
@@ -117,7 +118,8 @@ case "$MODE" in
   local2)  # 8 files come back: env, kernel bench JSON + log, bench log, 3 JSONs, test log
     PLOTS=/tmp; export COLUMNS=230
     lbench() { local name=$1; shift; echo "== $name $* ($(env | grep -E '^BEAMSERVE_KV_' | tr '\n' ' '))" >> "$OUT/local-bench.log"
-      $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" 2>&1 \
+      $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" \
+        ${KV_REPEATS:+--repeats $KV_REPEATS} 2>&1 \
         | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
     if [ "$MEM" = vram ]; then  # its table goes to the bench log too (8 files come back at most)
       KB_ENV=; [ "${KV_TUNED:-1}" = 1 ] && KB_ENV="--env $OUT/kernel-best.env"
@@ -125,7 +127,8 @@ case "$MODE" in
       $PY -m beamserve.kv_transfer.kernel_bench --json "$OUT/kernel-bench.json" $KB_ENV ${KV_KB_ARGS:-} 2>&1 \
         | grep -v CudaIPCTypes | tee -a "$OUT/local-bench.log" | tail -36
     fi
-    lbench kv-transfer-local2 --backend "$BACK" --tokens "$TOK" "$TOK" --pairs 8:4 --path direct auto
+    TOKS="$TOK $TOK"; [ -n "${KV_REPEATS:-}" ] && TOKS=$TOK  # repeating: one row of N pulls a path
+    lbench kv-transfer-local2 --backend "$BACK" --tokens $TOKS --pairs 8:4 --path direct auto
     if [ "${KV_TUNED:-1}" = 1 ] && [ -f "$OUT/kernel-best.env" ]; then
       ( . "$OUT/kernel-best.env"; lbench kv-transfer-local2-tuned --backend "$BACK" --tokens "$TOK" "$TOK" \
           --pairs 8:4 --path auto )

@@ -101,3 +101,20 @@ def test_demo_moves_and_verifies(beamserve: RunBeamserve) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verified: byte for byte: yes" in run.stdout
     assert "exactly the minimum" in run.stdout
+
+
+def test_bench_kv_transfer_repeats_report_the_median_pull(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    """`--repeats 3`: each row is the median of three pulls of fresh requests, every pull's
+    time kept, against the median of the three same-run baselines."""
+    out_json = tmp_path / "kv.json"
+    run = beamserve(
+        "bench", "kv-transfer", "--tokens", "700", "--pairs", "2:1", "--backend", "cma",
+        "--repeats", "3", "--json", str(out_json),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    (row,) = json.loads(out_json.read_text())
+    assert row["repeats"] == 3 and len(row["seconds_each"]) == 3
+    assert row["seconds"] == sorted(row["seconds_each"])[1]
+    assert row["bytes_moved"] == row["bytes_minimum"] and row["verified"] is True

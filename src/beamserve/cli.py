@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv.add_argument("--chunk-bytes", type=int, default=None, metavar="N", help="per wire chunk")
     kv.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="pulls per row, each a fresh request: the row is the median pull against the "
+        "median of its same-run baselines (default %(default)s)",
+    )
+    kv.add_argument(
         "--json",
         type=Path,
         default=Path("bench-results/kv-transfer.json"),
