@@ -692,7 +692,7 @@ class DecodeKVClient:
             req = RequestKVInfo.model_validate(self._get(url, f"/kv/v1/requests/{request_id}"))
             t0 = time.perf_counter()
             src_pages = RequestPages.of(req.full_pages, req.window_pages)
-            local = self._host_local(url, info, src, req.seq_len, src_pages, dst_pages, want)
+            local = self._host_local(url, info, src, req.seq_len, src_pages, dst_pages, want, end)
             if local is not None:
                 result = self._pull_host_local(info, local, t0, end, request_id)
                 if verify_checksums:
@@ -747,9 +747,11 @@ class DecodeKVClient:
         src_pages: RequestPages,
         dst_pages: RequestPages,
         want: TransferPath,
-    ) -> tuple[CompactPlan, KernelTables, PathChoice] | None:
-        """The compact plan, its kernel table and the choice, where this pull goes through the
-        host-local driver; None where it goes through the ranks."""
+        end: float,
+    ) -> tuple[CompactPlan, KernelTables, PathChoice, int | None] | None:
+        """The compact plan, its kernel table, the choice and the driver's token for the pull
+        made ready (`prepare_local`, where the group has it: part of the plan's time), where
+        this pull goes through the host-local driver; None where it goes through the ranks."""
         if self.driver == host_local.RANKS or want is TransferPath.STAGED or not seq_len:
             return None
         forced = self.driver == host_local.DRIVER
@@ -779,24 +781,36 @@ class DecodeKVClient:
         choice = choose_host_local(compact, link, want, forced, staging)
         if choice is None:
             return None
-        return compact, kernel_tables(compact, order=self._local_order), choice
+        tables = kernel_tables(compact, order=self._local_order)
+        token: int | None = None
+        prepare = getattr(self.group, "prepare_local", None)
+        if prepare is not None:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"prefill {info.engine_id}: deadline spent planning")
+            token = prepare(tables, [r.to_info() for r in info.ranks], left)
+        return compact, tables, choice, token
 
     def _pull_host_local(
         self,
         info: KVPeerInfo,
-        local: tuple[CompactPlan, KernelTables, PathChoice],
+        local: tuple[CompactPlan, KernelTables, PathChoice, int | None],
         t0: float,
         end: float,
         request_id: str,
     ) -> PullResult:
-        compact, tables, choice = local
+        compact, tables, choice, token = local
         plan_ms = (time.perf_counter() - t0) * 1e3
         agents = [r.to_info() for r in info.ranks]
         remaining = end - time.monotonic()
         if remaining <= 0:
             raise TransferTimeoutError(f"request {request_id}: deadline spent before reads")
         t1 = time.perf_counter()
-        stats = cast(Any, self.group).drive_local(tables, agents, remaining)
+        group = cast(Any, self.group)
+        if token is None:
+            stats = group.drive_local(tables, agents, remaining)
+        else:
+            stats = group.drive_local(tables, agents, remaining, token=token)
         t2 = time.perf_counter()
         seconds = t2 - t1
         phases = {k: round(v * 1e3, 4) for k, v in stats.phases.items()}

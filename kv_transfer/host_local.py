@@ -180,6 +180,23 @@ class LocalPullStats:
 
 
 @dataclass
+class PreparedPull:
+    """A pull made ready ahead of its copy (`HostLocalDriver.prepare`)."""
+
+    tables: KernelTables
+    involved: list[AgentInfo]
+    regions: list[Buffer]
+    base: Buffer | None  # None: nothing to copy
+    table: Any  # the bound table, in the engine's upload buffer where it has one
+    launch: Any  # the engine's launch looked up ahead (`TritonEngine.prepare`), or None
+    generation: int
+    phases: dict[str, float] = field(default_factory=dict)  # checks, bind, lookup (seconds)
+
+    def valid(self, generation: int, tables: KernelTables) -> bool:
+        return self.generation == generation and self.tables is tables
+
+
+@dataclass
 class DriverStats:
     mapped_regions: int
     live_launches: int
@@ -196,10 +213,16 @@ class CopyLaunch(Protocol):
 
 
 class CopyEngine(Protocol):
-    """Runs one bound table over the regions (`regions[i]` at `addrs[i]`, base = min)."""
+    """Runs one bound table over the regions (`regions[i]` at `addrs[i]`, base = min);
+    `prep` is what its `prepare` (where it has one) returned for that table."""
 
     def launch(
-        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
+        self,
+        t: KernelTables,
+        table: Any,
+        regions: Sequence[Buffer],
+        base: Buffer,
+        prep: Any = None,
     ) -> CopyLaunch: ...
 
 
@@ -218,7 +241,12 @@ class NumpyEngine:
     """The kernel's addressing played on host memory, program by program (tests, CPU)."""
 
     def launch(
-        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
+        self,
+        t: KernelTables,
+        table: Any,
+        regions: Sequence[Buffer],
+        base: Buffer,
+        prep: Any = None,
     ) -> CopyLaunch:
         so, do, n = program_runs(t, table)
         starts = np.array([r.addr for r in regions], dtype=np.int64)
@@ -261,13 +289,25 @@ class _CudaLaunch:
         return float(self.start.elapsed_time(self.end)) / 1e3
 
 
+@dataclass(frozen=True)
+class _Prep:
+    """A Triton launch looked up ahead (`TritonEngine.prepare`)."""
+
+    key: tuple[int, ...]
+    words: int  # table words uploaded (rounded up: `upload_words`)
+    fn: Callable[..., None]
+    args: tuple[Any, ...]
+    graph: Any  # the captured upload + launch, or None (the first launch of this key)
+
+
 class TritonEngine:
     """One host-local launch on the calling thread's current stream, between two timing events.
 
     Per request: the bound table is written (by `bind`, through `upload_buffer`) straight into
     one pinned host buffer; the launch copies it into one device buffer and runs the kernel over
-    it, both on the current stream, so work this process queued there before (a region written
-    here) comes first with no event or stream switch. The launch's grid and the table's length
+    it, both on the current stream of the engine's GPU (made the process's current device), so
+    work this process queued there before (a region written here) comes first with no event or
+    stream switch. The launch's grid and the table's length
     are rounded up (≤ 1/8 more: idle programs read the table and copy nothing; table words past
     the request's are never read), and the pinned buffer, the device buffer and the base region
     do not change between requests, so after its first launch for a (base, table length, grid)
@@ -282,6 +322,9 @@ class TritonEngine:
 
         self._torch = torch
         self.device = device
+        # Every call of a launch goes to the current stream of the current device: this
+        # process's (the driver's: decode rank 0's, or the coordinator's) is the group's GPU.
+        torch.cuda.set_device(device)
         self.shape = kernels.local_shape() if shape is None else shape
         if self.shape.kernel == "loop" and not kernels.loop_available():
             self.shape = dataclasses.replace(self.shape, kernel="flat")
@@ -309,33 +352,12 @@ class TritonEngine:
             self._graphs.clear()  # they name the old buffers
         return self._host_np[:n]
 
-    def launch(
-        self, t: KernelTables, table: Any, regions: Sequence[Buffer], base: Buffer
-    ) -> CopyLaunch:
-        torch = self._torch
-        n = len(table)
-        buf = self.upload_buffer(n)
-        if table.ctypes.data != buf.ctypes.data:  # bound elsewhere: one copy into the buffer
-            buf[:] = table
-        t0 = time.perf_counter()
-        stream = torch.cuda.current_stream(self.device)
-        self._start.record(stream)
-        t1 = time.perf_counter()
-        replayed = self._run(t, base, upload_words(n))
-        t2 = time.perf_counter()
-        self._end.record(stream)
-        launch = _CudaLaunch(self._start, self._end)
-        launch.detail = {"upload": t1 - t0, "kernel_call": t2 - t1}
-        launch.replayed = replayed
-        return launch
-
-    def _run(self, t: KernelTables, base: Buffer, words: int) -> bool:
-        """Upload the table's first `words` words and launch (or replay) the kernel for `t`;
-        True where a captured graph ran."""
+    def prepare(self, t: KernelTables, table: Any, base: Buffer) -> _Prep:
+        """What a launch of `t` over `base` needs, looked up before the pull: the upload's
+        length, the kernel and its arguments, and the captured graph if there is one."""
         from beamserve.kv_transfer import kernels
 
-        s = self.shape
-        self.launches += 1
+        s, words = self.shape, upload_words(len(table))
         common = (base.addr, self._host.data_ptr(), self._dev.data_ptr(), words)
         if s.kernel == "flat" or t.steps > 1:  # pieces longer than one loop step: flat
             grid = upload_words(-(-t.programs // s.runs), floor=1)  # rounded up as the table
@@ -349,16 +371,41 @@ class TritonEngine:
             fn = kernels.launch_compact_loop
             args = (base.data, self._dev, t.log2, t.elem, t.align, block, self.grid, s.warps,
                     s.ahead, s.evict, s.maxnreg)  # fmt: skip
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
+        return _Prep(key, words, fn, args, self._graphs.get(key))
+
+    def launch(
+        self,
+        t: KernelTables,
+        table: Any,
+        regions: Sequence[Buffer],
+        base: Buffer,
+        prep: Any = None,
+    ) -> CopyLaunch:
+        n = len(table)
+        buf = self.upload_buffer(n)
+        if table.ctypes.data != buf.ctypes.data:  # bound elsewhere: one copy into the buffer
+            buf[:] = table
+            prep = None  # the buffers may have moved
+        if prep is None or (prep.graph is None and prep.key in self._graphs):
+            prep = self.prepare(t, buf, base)
+        t0 = time.perf_counter()
+        self._start.record()  # the current stream, as every call below
+        t1 = time.perf_counter()
+        self.launches += 1
+        if prep.graph is not None:
+            prep.graph.replay()
             self.replays += 1
-            return True
-        self._dev[:words].copy_(self._host[:words], non_blocking=True)
-        fn(*args)
-        if self._graph_on:
-            self._capture(key, words, fn, args)
-        return False
+        else:
+            self._dev[: prep.words].copy_(self._host[: prep.words], non_blocking=True)
+            prep.fn(*prep.args)
+            if self._graph_on:
+                self._capture(prep.key, prep.words, prep.fn, prep.args)
+        t2 = time.perf_counter()
+        self._end.record()
+        launch = _CudaLaunch(self._start, self._end)
+        launch.detail = {"upload": t1 - t0, "kernel_call": t2 - t1}
+        launch.replayed = prep.graph is not None
+        return launch
 
     def _capture(
         self, key: tuple[int, ...], words: int, fn: Callable[..., None], args: tuple[Any, ...]
@@ -424,6 +471,7 @@ class HostLocalDriver:
         self._live = 0
         self._pulls = 0
         self._bytes = 0
+        self._generation = 0  # bumped by every prepare and every pull: one prepared pull live
 
     def connect(self, agents: Sequence[AgentInfo]) -> None:
         """Map every region not mapped yet (once per peer: not in a request's timed path)."""
@@ -447,18 +495,18 @@ class HostLocalDriver:
             os.close(fd)
         self._polls.clear()
 
-    def pull(
+    def prepare(
         self,
         tables: KernelTables,
         src_agents: Sequence[AgentInfo],
         dst_agents: Sequence[AgentInfo],
-        deadline: float,
-    ) -> LocalPullStats:
-        """Copy the request `tables` describes: source rank r's region is `src_agents[r]`'s,
-        destination rank d's `dst_agents[d]`'s. `deadline` is time.monotonic()."""
+    ) -> PreparedPull:
+        """Everything of a pull that needs no KV yet, done while the decode side plans: map
+        the regions, check their owners, bind the table into the engine's upload buffer and
+        look its launch up. Source rank r's region is `src_agents[r]`'s, destination rank d's
+        `dst_agents[d]`'s. Valid until the next `prepare` (one upload buffer): `pull` of an
+        older one prepares again."""
         t0 = time.perf_counter()
-        if time.monotonic() >= deadline:
-            raise TransferTimeoutError("host_local: deadline spent before the copy")
         used_s = sorted({int(r) for r in tables.seg_src_rank})
         used_d = sorted({int(r) for r in tables.seg_dst_rank})
         for r, agents, side in ((used_s, src_agents, "source"), (used_d, dst_agents, "dest")):
@@ -470,12 +518,13 @@ class HostLocalDriver:
         self.connect(involved)
         self._check_owners(involved, "before")
         t_check = time.perf_counter()
+        self._generation += 1
         s_bufs = {r: self._region(src_agents[r]) for r in used_s}
         d_bufs = {r: self._region(dst_agents[r]) for r in used_d}
         regions = list(s_bufs.values()) + list(d_bufs.values())
         base = min(regions, key=lambda b: b.addr) if regions else None
         if base is None or tables.programs == 0:
-            return LocalPullStats(0, time.perf_counter() - t0, 0.0, 0, tables.nbytes)
+            return PreparedPull(tables, involved, regions, None, None, None, self._generation)
         src_addrs = [s_bufs[r].addr if r in s_bufs else base.addr for r in range(len(src_agents))]
         dst_addrs = [d_bufs[r].addr if r in d_bufs else base.addr for r in range(len(dst_agents))]
         engine = self._engine_for(base)
@@ -483,10 +532,41 @@ class HostLocalDriver:
         out = upload(len(tables.table)) if upload is not None else None
         table = tables.bind(src_addrs, dst_addrs, base.addr, out=out)
         t_bind = time.perf_counter()
+        ahead = getattr(engine, "prepare", None)
+        prep = ahead(tables, table, base) if ahead is not None else None
+        t_end = time.perf_counter()
+        phases = {"checks": t_check - t0, "bind": t_bind - t_check, "lookup": t_end - t_bind}
+        return PreparedPull(tables, involved, regions, base, table, prep, self._generation, phases)
+
+    def pull(
+        self,
+        tables: KernelTables,
+        src_agents: Sequence[AgentInfo],
+        dst_agents: Sequence[AgentInfo],
+        deadline: float,
+        prepared: PreparedPull | None = None,
+    ) -> LocalPullStats:
+        """Copy the request `tables` describes (see `prepare`; `prepared`: its result for these
+        tables, else it is done here, inside the pull's time). `deadline` is time.monotonic().
+        The owners are checked again after the copy: one that exited at any time since the
+        `prepare` voids the pull."""
+        t0 = time.perf_counter()
+        if time.monotonic() >= deadline:
+            raise TransferTimeoutError("host_local: deadline spent before the copy")
+        ahead = prepared is not None and prepared.valid(self._generation, tables)
+        if not ahead:
+            prepared = self.prepare(tables, src_agents, dst_agents)
+        assert prepared is not None
+        t_ready = time.perf_counter()
+        if prepared.base is None:
+            return LocalPullStats(0, time.perf_counter() - t0, 0.0, 0, tables.nbytes)
+        engine = self._engine_for(prepared.base)
         self._live += 1
         try:
             try:
-                launch = engine.launch(tables, table, regions, base)
+                launch = engine.launch(
+                    tables, prepared.table, prepared.regions, prepared.base, prepared.launch
+                )
                 t_launch = time.perf_counter()
                 while not launch.done():
                     if time.monotonic() >= deadline:
@@ -503,14 +583,18 @@ class HostLocalDriver:
                 raise PeerLostError(f"host_local: the device copy failed ({exc})") from exc
         finally:
             self._live -= 1
-        self._check_owners(involved, "during")
+        self._check_owners(prepared.involved, "during")
+        self._generation += 1  # the upload buffer is free again; a prepared pull runs once
         self._pulls += 1
         self._bytes += tables.nbytes_moved
         t_end = time.perf_counter()
+        before = prepared.phases
         phases = {
-            "checks": (t_check - t0) + (t_end - t_wait),
-            "bind": t_bind - t_check,
-            "launch": t_launch - t_bind,
+            # Done ahead (in the decode side's planning): reported, not in this pull's time.
+            **({f"ahead.{k}": v for k, v in before.items()} if ahead else {}),
+            "checks": (0.0 if ahead else before.get("checks", 0.0)) + (t_end - t_wait),
+            "bind": 0.0 if ahead else before.get("bind", 0.0) + before.get("lookup", 0.0),
+            "launch": t_launch - t_ready,
             "wait": t_wait - t_launch,
         }
         # The engine's own split of the launch (upload call, kernel call or graph replay).

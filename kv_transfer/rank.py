@@ -22,7 +22,12 @@ import structlog
 from beamserve.kv_transfer import content, host_local, kernels
 from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
 from beamserve.kv_transfer.compact import KernelTables
-from beamserve.kv_transfer.errors import KVTransferError, PeerLostError, TransferTimeoutError
+from beamserve.kv_transfer.errors import (
+    KVTransferError,
+    PeerLostError,
+    TransferPlanError,
+    TransferTimeoutError,
+)
 from beamserve.kv_transfer.memory import MemoryKind, allocate, copy_runs
 from beamserve.kv_transfer.staging import PoolStats, StagingPool
 from beamserve.kv_transfer.topology import PoolLayout, RequestPages
@@ -31,6 +36,7 @@ log = structlog.get_logger(__name__)
 
 # Extra seconds a rank gets past a call's own deadline before the group kills it.
 GRACE_S = 5.0
+STALE_PREPARED = "host_local: no pull prepared under this token here (another replaced it)"
 START_TIMEOUT_S = 120.0
 IDLE_POLL_S = 0.002
 
@@ -108,6 +114,7 @@ class _Rank:
         self.info = self.agent.register(self.buffer)
         self._scratch: Any = None
         self._driver: host_local.HostLocalDriver | None = None
+        self._prepared: tuple[int, host_local.PreparedPull] | None = None
 
     def _upload(self) -> None:
         if self.spec.memory is MemoryKind.VRAM:
@@ -207,16 +214,40 @@ class _Rank:
                 self.pool.release(off)
 
     # -- the host-local driver: this rank copies a whole request for every rank of both pools --
-    def drive_local(
+    def prepare_local(
         self,
         tables: KernelTables,
         src_agents: list[AgentInfo],
         dst_agents: list[AgentInfo],
-        deadline_s: float,
-    ) -> host_local.LocalPullStats:
+        token: int,
+    ) -> None:
+        """`HostLocalDriver.prepare` here, kept under `token` for the `drive_local` after it."""
         if self._driver is None:
             self._driver = host_local.HostLocalDriver({self.info.name: self.buffer})
-        stats = self._driver.pull(tables, src_agents, dst_agents, time.monotonic() + deadline_s)
+        self._prepared = (token, self._driver.prepare(tables, src_agents, dst_agents))
+
+    def drive_local(
+        self,
+        tables: KernelTables | None,
+        src_agents: list[AgentInfo],
+        dst_agents: list[AgentInfo],
+        deadline_s: float,
+        token: int | None = None,
+    ) -> host_local.LocalPullStats:
+        """The pull; `tables` None: the one prepared under `token` (nothing big on the pipe)."""
+        if self._driver is None:
+            self._driver = host_local.HostLocalDriver({self.info.name: self.buffer})
+        prepared = None
+        if token is not None and self._prepared is not None and self._prepared[0] == token:
+            prepared = self._prepared[1]
+        self._prepared = None
+        if tables is None:
+            if prepared is None:
+                raise TransferPlanError(STALE_PREPARED)
+            tables = prepared.tables
+        stats = self._driver.pull(
+            tables, src_agents, dst_agents, time.monotonic() + deadline_s, prepared=prepared
+        )
         return dataclasses.replace(stats, where="rank0")
 
     def driver_stats(self) -> host_local.DriverStats | None:
@@ -370,6 +401,8 @@ class RankGroup:
                 f"BEAMSERVE_KV_LOCAL_IN: {raw!r} unsupported; choose one of {LOCAL_IN}"
             )
         self._caller_driver: host_local.HostLocalDriver | None = None
+        self._caller_prepared: tuple[int, host_local.PreparedPull] | None = None
+        self._token = 0  # of the last prepare_local
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -465,25 +498,69 @@ class RankGroup:
                 )
         return why
 
-    def drive_local(
+    def prepare_local(
         self, tables: KernelTables, src_agents: Sequence[AgentInfo], deadline_s: float
-    ) -> host_local.LocalPullStats:
-        """One launch copies the whole request into every rank of this group, from rank 0's
-        process or (`local_in` "caller") from this one."""
+    ) -> int:
+        """Make the pull of `tables` ready in the driver's process while the caller plans
+        (`HostLocalDriver.prepare`: map, check owners, bind, look the launch up; from rank 0,
+        the table crosses the pipe here, not in the pull). Returns the token for
+        `drive_local`; one prepared pull at a time."""
+        self._token += 1
         if self.local_in == "caller":
             if self._caller_driver is None:
                 self._caller_driver = host_local.HostLocalDriver()
+            self._caller_prepared = (
+                self._token,
+                self._caller_driver.prepare(tables, src_agents, self.infos),
+            )
+        else:
+            token = self._token
+            self.call(
+                [0],
+                "prepare_local",
+                lambda _r: (tables, list(src_agents), list(self.infos), token),
+                deadline_s,
+            )
+        return self._token
+
+    def drive_local(
+        self,
+        tables: KernelTables,
+        src_agents: Sequence[AgentInfo],
+        deadline_s: float,
+        token: int | None = None,
+    ) -> host_local.LocalPullStats:
+        """One launch copies the whole request into every rank of this group, from rank 0's
+        process or (`local_in` "caller") from this one; `token`: `prepare_local`'s for these
+        `tables` (a stale one is prepared again inside the pull)."""
+        if self.local_in == "caller":
+            if self._caller_driver is None:
+                self._caller_driver = host_local.HostLocalDriver()
+            ready = self._caller_prepared
+            self._caller_prepared = None
+            prepared = ready[1] if ready is not None and ready[0] == token else None
             stats = self._caller_driver.pull(
-                tables, src_agents, self.infos, time.monotonic() + deadline_s
+                tables, src_agents, self.infos, time.monotonic() + deadline_s, prepared
             )
             return dataclasses.replace(stats, where="caller")
-        result: host_local.LocalPullStats = self.call(
-            [0],
-            "drive_local",
-            lambda _r: (tables, list(src_agents), list(self.infos), deadline_s),
-            deadline_s + GRACE_S,
-        )[0]
-        return result
+
+        def ask(send: KernelTables | None) -> host_local.LocalPullStats:
+            out: host_local.LocalPullStats = self.call(
+                [0],
+                "drive_local",
+                lambda _r: (send, list(src_agents), list(self.infos), deadline_s, token),
+                deadline_s + GRACE_S,
+            )[0]
+            return out
+
+        if token is None:
+            return ask(tables)
+        try:
+            return ask(None)  # the table crossed in prepare_local
+        except TransferPlanError as exc:
+            if str(exc) != STALE_PREPARED:
+                raise
+            return ask(tables)
 
     def kill(self, rank: int) -> None:
         proc = self._procs[rank]

@@ -121,7 +121,7 @@ case "$MODE" in
       $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" \
         ${KV_REPEATS:+--repeats $KV_REPEATS} 2>&1 \
         | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
-    if [ "$MEM" = vram ]; then  # its table goes to the bench log too (8 files come back at most)
+    if [ "$MEM" = vram ] && [ "${KV_KB:-1}" = 1 ]; then  # (KV_KB=0: no kernel bench) its table goes to the bench log too
       KB_ENV=; [ "${KV_TUNED:-1}" = 1 ] && KB_ENV="--env $OUT/kernel-best.env"
       echo "== kernel_bench ${KV_KB_ARGS:-}" >> "$OUT/local-bench.log"
       $PY -m beamserve.kv_transfer.kernel_bench --json "$OUT/kernel-bench.json" $KB_ENV ${KV_KB_ARGS:-} 2>&1 \

@@ -397,7 +397,7 @@ class UploadEngine(NumpyEngine):
             self.buf = np.zeros(2 * n, dtype=np.int64)
         return self.buf[:n]
 
-    def launch(self, t: Any, table: Any, regions: Any, base: Any) -> Any:
+    def launch(self, t: Any, table: Any, regions: Any, base: Any, prep: Any = None) -> Any:
         self.seen.append(bool(np.shares_memory(table, self.buf)))
         return super().launch(t, table, regions, base)
 
@@ -413,6 +413,64 @@ def test_the_table_is_bound_straight_into_the_engines_upload_buffer() -> None:
     addrs = [b.addr for b in pools.src_bufs], [b.addr for b in pools.dst_bufs]
     base = min(b.addr for b in pools.src_bufs + pools.dst_bufs)
     np.testing.assert_array_equal(engine.buf[: len(t.table)], t.bind(*addrs, base))
+
+
+def test_a_pull_prepared_ahead_copies_the_same_bytes_and_binds_nothing_in_its_time() -> None:
+    """`prepare` (the decode side's planning) maps, checks and binds; the pull then only
+    launches and waits, and copies exactly what an unprepared pull copies."""
+    pools = make_pools(seed=7)
+    engine = UploadEngine()
+    driver = HostLocalDriver({}, opener(pools), engine)
+    t = pools.tables()
+    ready = driver.prepare(t, pools.src_agents, pools.dst_agents)
+    assert driver.stats().mapped_regions == len(pools.src_agents) + len(pools.dst_agents)
+    assert set(ready.phases) == {"checks", "bind", "lookup"}
+    stats = driver.pull(t, pools.src_agents, pools.dst_agents, soon(), prepared=ready)
+    assert pools.verify() and engine.seen == [True]
+    assert stats.phases["bind"] == 0.0 and "ahead.bind" in stats.phases
+    assert stats.bytes_moved == t.nbytes_moved
+    # A prepared pull runs once: handed in again, it is prepared afresh inside the pull.
+    again = driver.pull(t, pools.src_agents, pools.dst_agents, soon(), prepared=ready)
+    assert again.phases["bind"] > 0.0 and "ahead.bind" not in again.phases
+    assert pools.verify()
+
+
+def test_a_pull_prepared_before_another_prepare_is_bound_again() -> None:
+    """One upload buffer: a second `prepare` overwrites the first's table, so the first's
+    pull binds its own table again (its bytes, not the second request's)."""
+    first, second = make_pools(seed=1), make_pools(seed=2)
+    both = {**first.by_name(), **{f"b-{k}": v for k, v in second.by_name().items()}}
+    rename = {a.name: replace(a, name=f"b-{a.name}") for a in second.src_agents + second.dst_agents}
+    s_agents = [rename[a.name] for a in second.src_agents]
+    d_agents = [rename[a.name] for a in second.dst_agents]
+    engine = UploadEngine()
+    driver = HostLocalDriver({}, lambda info: both[info.name], engine)
+    t1, t2 = first.tables(), second.tables()
+    ready1 = driver.prepare(t1, first.src_agents, first.dst_agents)
+    ready2 = driver.prepare(t2, s_agents, d_agents)
+    stats = driver.pull(t1, first.src_agents, first.dst_agents, soon(), prepared=ready1)
+    assert "ahead.bind" not in stats.phases  # stale: bound again inside the pull
+    assert first.verify()
+    assert not second.verify()  # nothing of the second request was copied yet
+    driver.pull(t2, s_agents, d_agents, soon(), prepared=ready2)  # stale too: the pull ran
+    assert second.verify()
+
+
+def test_an_owner_that_exits_between_prepare_and_pull_voids_the_pull() -> None:
+    pools = make_pools()
+    proc = subprocess.Popen(["sleep", "30"])
+    owner = {**host_identity(), "pid": proc.pid}
+    agents = [replace(a, metadata=metadata(owner)) for a in pools.src_agents]
+    driver = HostLocalDriver({}, opener(pools), NumpyEngine())
+    t = pools.tables()
+    ready = driver.prepare(t, agents, pools.dst_agents)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(PeerLostError, match=f"pid {proc.pid}"):
+        driver.pull(t, agents, pools.dst_agents, soon(), prepared=ready)
+    assert agents[0].name not in driver._mapped
+    assert driver.stats().live_launches == 0
+    driver.close()
 
 
 def test_configured_driver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -519,6 +577,35 @@ class InProcessDecode:
         )
 
 
+class PreparingDecode(InProcessDecode):
+    """The same group with `prepare_local` (as `RankGroup` has): the client makes each pull
+    ready while it plans."""
+
+    def __init__(self, pools: Pools) -> None:
+        super().__init__(pools)
+        self.prepared: list[tuple[int, host_local.PreparedPull]] = []
+
+    def prepare_local(
+        self, tables: KernelTables, src_agents: list[AgentInfo], deadline_s: float
+    ) -> int:
+        ready = self.driver.prepare(tables, src_agents, self.pools.dst_agents)
+        self.prepared.append((len(self.prepared) + 1, ready))
+        return len(self.prepared)
+
+    def drive_local(  # type: ignore[override]
+        self,
+        tables: KernelTables,
+        src_agents: list[AgentInfo],
+        deadline_s: float,
+        token: int | None = None,
+    ) -> host_local.LocalPullStats:
+        self.local_pulls += 1
+        ready = dict(self.prepared).get(token) if token is not None else None
+        return self.driver.pull(
+            tables, src_agents, self.pools.dst_agents, time.monotonic() + deadline_s, ready
+        )
+
+
 @dataclass
 class Stand:
     pools: Pools
@@ -563,6 +650,21 @@ def test_client_pulls_through_the_host_local_driver(stand: Stand, path: Transfer
     plan = plan_transfer(stand.pools.src, stand.pools.dst, SEQ_LEN, stand.pools.sp, stand.pools.dp)
     assert res.bytes_moved == plan.bytes_moved and res.descriptors_on_wire == plan.descriptors
     assert (stand.decode.local_pulls, stand.decode.ranks_reads) == (2, 0)
+    assert stand.registry.held() == []
+
+
+def test_client_prepares_the_host_local_pull_while_it_plans(stand: Stand) -> None:
+    decode = PreparingDecode(stand.pools)
+    client = DecodeKVClient(decode, driver="auto")
+    try:
+        for n in (1, 2):
+            res = client.pull(stand.server.url, stand.publish(), stand.pools.dp, 10.0)
+            assert res.driver == "host_local" and stand.pools.verify()
+            assert len(decode.prepared) == n  # one prepare per pull, inside the plan's time
+            assert res.phases_ms["bind"] == 0.0 and "ahead.bind" in res.phases_ms
+    finally:
+        client.close()
+    assert decode.local_pulls == 2 and decode.ranks_reads == 0
     assert stand.registry.held() == []
 
 
