@@ -311,8 +311,9 @@ class TritonEngine:
     are rounded up (≤ 1/8 more: idle programs read the table and copy nothing; table words past
     the request's are never read), and the pinned buffer, the device buffer and the base region
     do not change between requests, so after its first launch for a (base, table length, grid)
-    key, the upload *and* the kernel are captured in one CUDA graph and replayed: one
-    `cudaGraphLaunch` per request, not a copy call plus Triton's Python launch path. Buffers are
+    key, the upload *and* the kernel are captured in one CUDA graph, between its two timing
+    events (`external` events: record nodes of the graph), and replayed: one `cudaGraphLaunch`
+    per request, not two event records, a copy call and Triton's Python launch path. Buffers are
     reused only after the previous launch finished (the driver waits for every launch).
     """
 
@@ -334,8 +335,14 @@ class TritonEngine:
         self._host = torch.empty(0, dtype=torch.int64)
         self._host_np: Any = self._host.numpy()
         self._dev = torch.empty(0, dtype=torch.int64, device=f"cuda:{device}")
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
+        try:  # timing events that a capture records as nodes of the graph: one call a pull
+            self._start = torch.cuda.Event(enable_timing=True, external=True)
+            self._end = torch.cuda.Event(enable_timing=True, external=True)
+            self._events_in_graph = True
+        except TypeError:  # an older torch: recorded around the replay
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._events_in_graph = False
         self._graphs: dict[tuple[int, ...], Any] = {}
         self._graph_on = bool(self.shape.graph)
         self.launches = 0
@@ -389,7 +396,9 @@ class TritonEngine:
         if prep is None or (prep.graph is None and prep.key in self._graphs):
             prep = self.prepare(t, buf, base)
         t0 = time.perf_counter()
-        self._start.record()  # the current stream, as every call below
+        whole = prep.graph is not None and self._events_in_graph  # one call: events inside
+        if not whole:
+            self._start.record()  # the current stream, as every call below
         t1 = time.perf_counter()
         self.launches += 1
         if prep.graph is not None:
@@ -401,7 +410,8 @@ class TritonEngine:
             if self._graph_on:
                 self._capture(prep.key, prep.words, prep.fn, prep.args)
         t2 = time.perf_counter()
-        self._end.record()
+        if not whole:
+            self._end.record()
         launch = _CudaLaunch(self._start, self._end)
         launch.detail = {"upload": t1 - t0, "kernel_call": t2 - t1}
         launch.replayed = prep.graph is not None
@@ -418,8 +428,12 @@ class TritonEngine:
             with torch.cuda.stream(self._capture_stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
+                    if self._events_in_graph:
+                        self._start.record()  # event record nodes (`external` events)
                     self._dev[:words].copy_(self._host[:words], non_blocking=True)
                     fn(*args)
+                    if self._events_in_graph:
+                        self._end.record()
                 finally:
                     graph.capture_end()
         except Exception as exc:  # no graphs here: a copy and Triton's launch path every time
