@@ -8,7 +8,10 @@ on the GPU. Here one process (decode rank 0 in a `RankGroup`) maps every source 
 destination region once through CUDA IPC (`connect`, kept across requests), and a request is:
 
     decode client:  compact_plan → kernel_tables          (the plan, ≈ 260 KB at 8:4 / 80K)
-    driver:         bind region offsets → upload → one launch → wait for its event
+    driver, prepare (while the client plans): owner checks → bind region offsets into the
+                    pinned upload buffer → look the captured graph up
+    driver, pull:   one graph launch (table upload + kernel, between its timing events) →
+                    wait for its end event → owner checks again
 
 `HostLocalDriver` is device-agnostic: regions are opened by an `open_region` callable and
 copied by an engine — the Triton kernel (`kernels.launch_compact`) on VRAM, or a numpy player
