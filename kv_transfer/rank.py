@@ -519,7 +519,7 @@ class RankGroup:
                 [0],
                 "prepare_local",
                 lambda _r: (tables, list(src_agents), list(self.infos), token),
-                deadline_s,
+                deadline_s + GRACE_S,  # as every rank call: past its deadline the rank is killed
             )
         return self._token
 
