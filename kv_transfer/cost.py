@@ -20,12 +20,13 @@ copies 16 KiB rows at about 3 GB/s there; on the GPU a NIXL/UCX VRAM descriptor 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
 from beamserve.kv_transfer.compact import CompactPlan
 from beamserve.kv_transfer.errors import TransferPlanError
-from beamserve.kv_transfer.memory import MemoryKind
+from beamserve.kv_transfer.memory import MemoryKind, copy_threads, host_cores
 from beamserve.kv_transfer.plan import TransferPlan
 from beamserve.kv_transfer.staging import StagedPlan
 
@@ -58,6 +59,11 @@ class LinkModel:
     round_trip_s: float = 2e-3
     direct_fixed_s: float = 0.0
     local_fixed_s: float | None = None
+    # Copies that can run at once (0: one per destination rank, as on NICs or a GPU; a
+    # host's cores where the processes copy on the CPU), and the host-local driver's rate
+    # (0: `wire_Bps`; its threads together where it copies on the CPU).
+    lanes: int = 0
+    local_Bps: float = 0.0
 
 
 LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
@@ -66,6 +72,12 @@ LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
     # cma hands the kernel 1024 descriptors a call: the pages' walk is what a descriptor costs
     # (65,536 reads of 16 KiB at 4.1 GB/s against 4.9 GB/s for a memcpy here, 2026-12-01).
     (MemoryKind.DRAM, "cma"): LinkModel(0.2e-6, 4.5e9, 3e9),
+    # shm: mapped regions, copies in user space. A core copies scattered 16 KiB head slices
+    # at ≈ 5 GB/s here (0.65 × a plain memcpy, 2026-12-02); through the ranks a descriptor
+    # costs a row copy's interpreter overhead (≈ 1 µs, assumed) and the rank processes share
+    # the host's cores; the host-local driver copies with `copy_threads()` threads.
+    # (`link_for` sets its lanes and the driver's rate from this host's cores.)
+    (MemoryKind.DRAM, "shm"): LinkModel(1e-6, 5e9, 5e9, direct_fixed_s=1e-3, local_fixed_s=1e-3),
     (MemoryKind.VRAM, "nixl"): LinkModel(6e-6, 1.5e12, 1.5e12),
     # cuda_ipc serves a read of many descriptors with one kernel over the peer's mapped
     # memory: a descriptor costs an index, not a launch. Fixed costs from the H200 runs of
@@ -81,12 +93,17 @@ LINKS: dict[tuple[MemoryKind, str], LinkModel] = {
 
 def link_for(memory: MemoryKind, backend: str) -> LinkModel:
     try:
-        return LINKS[(memory, backend)]
+        link = LINKS[(memory, backend)]
     except KeyError:
         known = sorted(f"{m.value}/{b}" for m, b in LINKS)
         raise TransferPlanError(
             f"link: no cost model for {memory.value} over {backend}; known: {known}"
         ) from None
+    if (memory, backend) == (MemoryKind.DRAM, "shm"):  # copies on this host's cores
+        return dataclasses.replace(
+            link, lanes=host_cores(), local_Bps=link.wire_Bps * copy_threads()
+        )
+    return link
 
 
 @dataclass(frozen=True)
@@ -99,34 +116,45 @@ class PathChoice:
     local_s: float = 0.0  # the host-local estimate, where one was made
 
 
+def _parallel(per_rank: list[float], link: LinkModel) -> float:
+    """Ranks work in parallel, at most `lanes` at a time where the link has lanes."""
+    top = max(per_rank, default=0.0)
+    return max(top, sum(per_rank) / link.lanes) if link.lanes else top
+
+
+def _ranks_s(per_dst: list[float], link: LinkModel) -> float:
+    return link.direct_fixed_s + _parallel(per_dst, link)
+
+
 def estimate_direct(plan: TransferPlan, link: LinkModel) -> float:
     per_dst: dict[int, float] = {}
     for p in plan.pairs:
         per_dst[p.dst_rank] = (
             per_dst.get(p.dst_rank, 0.0) + p.count * link.per_desc_s + p.nbytes / link.wire_Bps
         )
-    return link.direct_fixed_s + max(per_dst.values(), default=0.0)
+    return _ranks_s(list(per_dst.values()), link)
 
 
 def estimate_direct_compact(plan: CompactPlan, link: LinkModel) -> float:
     """`estimate_direct` from the compact plan (the same counts, without writing them out)."""
     per_dst = [c * link.per_desc_s + b / link.wire_Bps for c, b in plan.per_dst_rank().values()]
-    return link.direct_fixed_s + max(per_dst, default=0.0)
+    return _ranks_s(per_dst, link)
 
 
 def estimate_local(plan: CompactPlan, link: LinkModel) -> float:
-    """One launch on one device moves every destination rank's bytes:
-    local_s = local_fixed_s + bytes_moved / wire_Bps (no sum over ranks in parallel)."""
+    """One launch on one device (or one process's copy threads) moves every destination
+    rank's bytes: local_s = local_fixed_s + bytes_moved / (local_Bps or wire_Bps)."""
     if link.local_fixed_s is None:
         raise TransferPlanError("link: this link has no host-local driver (local_fixed_s)")
-    return link.local_fixed_s + plan.bytes_moved / link.wire_Bps
+    return link.local_fixed_s + plan.bytes_moved / (link.local_Bps or link.wire_Bps)
 
 
 def estimate_staged_floor(plan: CompactPlan, link: LinkModel) -> float:
     """A lower bound of `estimate_staged` for any staging of `plan`: one round trip plus the
-    slowest destination rank's bytes on the wire (staging never moves fewer)."""
-    top = max((b for _c, b in plan.per_dst_rank().values()), default=0)
-    return link.round_trip_s + top / link.wire_Bps
+    slowest destination rank's bytes on the wire, or all of them over the link's lanes (staging never
+    moves fewer)."""
+    per_dst = [b / link.wire_Bps for _c, b in plan.per_dst_rank().values()]
+    return link.round_trip_s + _parallel(per_dst, link)
 
 
 def estimate_staged(staged: StagedPlan, link: LinkModel) -> float:
@@ -139,8 +167,8 @@ def estimate_staged(staged: StagedPlan, link: LinkModel) -> float:
         )
     return (
         staged.rounds * link.round_trip_s
-        + max(gather.values(), default=0.0)
-        + max(pull.values(), default=0.0)
+        + _parallel(list(gather.values()), link)
+        + _parallel(list(pull.values()), link)
     )
 
 

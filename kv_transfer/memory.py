@@ -14,6 +14,8 @@ row size is the largest unit that divides every offset and length of the group.
 from __future__ import annotations
 
 import enum
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,9 @@ class Buffer:
     kind: MemoryKind
     data: Any
     device: int = 0
+    # DRAM in shared memory (`allocate(..., shared=True)`): the memfd that holds it, which
+    # other processes of the host map (`map_shared`); -1 for private memory and for views.
+    fd: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +141,13 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def allocate(kind: MemoryKind, nbytes: int, device: int = 0) -> Buffer:
-    """Zeroed memory of `kind`. VRAM needs torch with CUDA and a visible GPU."""
+def allocate(kind: MemoryKind, nbytes: int, device: int = 0, shared: bool = False) -> Buffer:
+    """Zeroed memory of `kind`. VRAM needs torch with CUDA and a visible GPU. `shared` DRAM
+    lives in a memfd (anonymous shared memory) that other processes of this host can map
+    (`map_shared`, the `shm` backend); its pages are populated here, not at first touch."""
     if kind is MemoryKind.DRAM:
+        if shared:
+            return _allocate_shared(nbytes)
         return Buffer(kind, np.zeros(nbytes, dtype=np.uint8))
     if not cuda_available():
         raise TopologyError(
@@ -149,6 +158,73 @@ def allocate(kind: MemoryKind, nbytes: int, device: int = 0) -> Buffer:
 
     torch.cuda.set_device(device)
     return Buffer(kind, torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}"), device)
+
+
+def _allocate_shared(nbytes: int) -> Buffer:
+    if not hasattr(os, "memfd_create"):
+        raise TopologyError(
+            "memory: shared DRAM needs memfd_create (Linux); use the cma or nixl backend here"
+        )
+    fd = os.memfd_create("beamserve-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        m = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        os.close(fd)
+        raise
+    _MAPS[fd] = m  # the mapping lives as long as this process (a region is never freed)
+    return Buffer(MemoryKind.DRAM, np.frombuffer(m, dtype=np.uint8, count=nbytes), fd=fd)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MAPS: dict[int, mmap.mmap] = {}
+
+
+def map_shared(pid: int, fd: int, nbytes: int, writable: bool) -> U8:
+    """Map `nbytes` of the memfd `fd` of process `pid` on this host (through
+    /proc/PID/fd/FD, which needs the same access as reading that process's memory), its page
+    tables populated now so that no copy pays the first-touch faults. The mapping is unmapped
+    when the last array over it goes. Raises
+    FileNotFoundError/ProcessLookupError where the process or the fd is gone and
+    PermissionError where access is refused."""
+    path = f"/proc/{pid}/fd/{fd}"
+    f = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        if os.fstat(f).st_size < nbytes:
+            raise FileNotFoundError(f"{path} holds fewer than {nbytes} bytes: not the region")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        m = mmap.mmap(f, nbytes, mmap.MAP_SHARED | _POPULATE, prot)
+    finally:
+        os.close(f)
+    arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+    if not writable:
+        arr.flags.writeable = False
+    return arr
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def copy_threads() -> int:
+    """Threads a host-local copy on the CPU uses: `BEAMSERVE_KV_COPY_THREADS`, else the host's
+    cores up to 4 (a memory bus is saturated by a few copying cores)."""
+    raw = os.environ.get("BEAMSERVE_KV_COPY_THREADS", "").strip()
+    if not raw:
+        return min(4, host_cores())
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise TopologyError(
+            f"BEAMSERVE_KV_COPY_THREADS: {raw!r} is not a positive integer (threads per copy)"
+        )
+    return n
 
 
 ROW_LOOP_BYTES = 4096

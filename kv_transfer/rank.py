@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 import structlog
 from beamserve.kv_transfer import content, host_local, kernels
-from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
+from beamserve.kv_transfer.backends.base import (
+    SHARED_MEMORY,
+    AgentInfo,
+    AgentStats,
+    ReadOp,
+    make_agent,
+)
 from beamserve.kv_transfer.compact import KernelTables
 from beamserve.kv_transfer.errors import (
     KVTransferError,
@@ -92,7 +98,8 @@ class _Rank:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         kv = spec.layout.region_bytes
-        self.buffer = allocate(spec.memory, kv + spec.staging_bytes, spec.device)
+        shared = spec.backend in SHARED_MEMORY  # a region other processes map (shm)
+        self.buffer = allocate(spec.memory, kv + spec.staging_bytes, spec.device, shared)
         self.kv = self.buffer.view(0, kv)
         # Host view of the KV region: the region itself for DRAM, a mirror for VRAM.
         self.region = self.kv.data if spec.memory is MemoryKind.DRAM else np.zeros(kv, np.uint8)
@@ -481,6 +488,11 @@ class RankGroup:
     def host_local_refusal(self, peers: Sequence[AgentInfo]) -> str | None:
         """None if rank 0 can drive pulls from `peers` into this group with one launch."""
         why = host_local.refusal([*peers, *self.infos], self.memory, self.device)
+        if why is None and self.memory is MemoryKind.DRAM:
+            # DRAM: the copy threads run anywhere; the caller maps the regions itself.
+            if self.local_in == "auto":
+                self.local_in = "caller"
+            return None
         if why is None:
             if self._engine0 is None:
                 if self.local_in in ("caller", "auto"):

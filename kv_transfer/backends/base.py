@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from beamserve.kv_transfer.backends.names import ALL_BACKENDS as ALL_BACKENDS
+from beamserve.kv_transfer.backends.names import BACKENDS as BACKENDS
+from beamserve.kv_transfer.backends.names import SHARED_MEMORY as SHARED_MEMORY
 from beamserve.kv_transfer.errors import (
     PeerLostError,
     TransferPlanError,
@@ -238,7 +241,11 @@ class TransferAgent(ABC):
 
 
 def make_agent(backend: str, name: str) -> TransferAgent:
-    """Instantiate the named backend (`nixl`, `mooncake`, `cma` or `cuda_ipc`)."""
+    """Instantiate the named backend (`nixl`, `mooncake`, `cma`, `shm` or `cuda_ipc`)."""
+    if backend == "shm":
+        from beamserve.kv_transfer.backends.shm import ShmAgent
+
+        return ShmAgent(name)
     if backend == "cma":
         from beamserve.kv_transfer.backends.cma import CmaAgent
 
@@ -256,10 +263,5 @@ def make_agent(backend: str, name: str) -> TransferAgent:
 
         return MooncakeAgent(name)
     raise TransferPlanError(
-        f"backend: {backend!r} unknown; choose 'nixl', 'mooncake', 'cma' or 'cuda_ipc'"
+        f"backend: {backend!r} unknown; choose 'nixl', 'mooncake', 'cma', 'shm' or 'cuda_ipc'"
     )
-
-
-# Backends that move host memory (what CPU-only machines test); cuda_ipc moves VRAM only.
-BACKENDS = ("nixl", "mooncake", "cma")
-ALL_BACKENDS = ("nixl", "mooncake", "cma", "cuda_ipc")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from beamserve import __version__, log
 from beamserve.argtypes import positive_int, tp_pair
+from beamserve.kv_transfer.backends.names import ALL_BACKENDS, BACKENDS
 
 if TYPE_CHECKING:
     from beamserve.kv_transfer.bench import TransferResult
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--state-dir", type=Path, default=None)
     demo.add_argument("--tokens", type=positive_int, default=81920)
     demo.add_argument("--pair", type=tp_pair, default=(8, 4), metavar="P:D")
-    demo.add_argument("--backend", choices=("nixl", "mooncake", "cma"), default="nixl")
+    demo.add_argument("--backend", choices=BACKENDS, default="nixl")
 
     bench = sub.add_parser("bench", help="benchmarks (results as a table, JSON and a plot)")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -70,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--backend",
         nargs="+",
-        choices=("nixl", "mooncake", "cma", "cuda_ipc"),
-        default=["nixl", "mooncake", "cma"],
-        help="default: nixl mooncake cma (dram), cuda_ipc (vram); cma: batched cross-memory "
-        "attach between processes of one host",
+        choices=ALL_BACKENDS,
+        default=["nixl", "mooncake", "cma", "shm"],
+        help="default: nixl mooncake cma shm (dram), cuda_ipc (vram); cma: batched cross-memory "
+        "attach between processes of one host; shm: regions in shared memory that one process "
+        "maps and copies (one host)",
     )
     kv.add_argument("--memory", choices=("dram", "vram"), default="dram", help="KV regions in")
     kv.add_argument(

@@ -57,8 +57,8 @@ MODEL = beam_small()
 PAGE = 16
 TP = 2
 # The long request: ~100 MB / ~200 ms over NIXL, ~25 MB / ~1 s over Mooncake, ~250 MB / ~60 ms
-# over cma on a small host.
-BIG_SEQ_LEN = {"nixl": 400_000, "mooncake": 100_000, "cma": 1_000_000}
+# over cma or shm on a small host.
+BIG_SEQ_LEN = {"nixl": 400_000, "mooncake": 100_000, "cma": 1_000_000, "shm": 1_000_000}
 SMALL_SEQ_LEN = 300
 EXTRA_FULL, EXTRA_WINDOW = 24, 8  # pages past the long request's, for small requests
 SEED, SENTINEL, GARBAGE = 7, 0x5E7, 0xBAD

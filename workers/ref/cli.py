@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from beamserve.kv_transfer.backends.names import BACKENDS
 from rich.console import Console
 from rich.table import Table
 
@@ -56,7 +57,7 @@ def add_check_disagg(check_sub: Any) -> None:
         metavar="P:D,...",
         help=f"prefill:decode TP pairs (default: {DEFAULT_PAIRS})",
     )
-    dis.add_argument("--backend", choices=("nixl", "mooncake", "cma"), default="nixl")
+    dis.add_argument("--backend", choices=BACKENDS, default="nixl")
     dis.add_argument(
         "--prompts", type=positive_int, default=3, help="prompts (default: %(default)s)"
     )

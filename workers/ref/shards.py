@@ -24,8 +24,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from beamserve.kv_transfer import content
-from beamserve.kv_transfer.backends.base import AgentInfo, AgentStats, ReadOp, make_agent
+from beamserve.kv_transfer.backends.base import (
+    SHARED_MEMORY,
+    AgentInfo,
+    AgentStats,
+    ReadOp,
+    make_agent,
+)
 from beamserve.kv_transfer.errors import KVTransferError, TransferTimeoutError
+from beamserve.kv_transfer.memory import MemoryKind, allocate
 from beamserve.kv_transfer.model import FULL_ATTENTION
 from beamserve.kv_transfer.topology import (
     IntArray,
@@ -98,9 +105,10 @@ class KVShard:
 
     def __init__(self, name: str, rank: int, layout: PoolLayout, backend: str) -> None:
         self.rank = rank
-        self.region = np.zeros(layout.region_bytes, dtype=np.uint8)
+        buf = allocate(MemoryKind.DRAM, layout.region_bytes, shared=backend in SHARED_MEMORY)
+        self.region = buf.data
         self.agent = make_agent(backend, name)
-        self.info: AgentInfo = self.agent.register(self.region)
+        self.info: AgentInfo = self.agent.register(buf)
         # Serialises the agent between read threads and the idle-progress thread.
         self.lock = threading.Lock()
 

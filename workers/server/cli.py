@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from beamserve.kv_transfer.backends.names import BACKENDS
+
 from beamserve.argtypes import positive_int
 
 ENGINES = ("sim", "ref")
@@ -48,7 +50,7 @@ def add_worker(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=positive_int, default=None, help="sim 64, ref 16")
     p.add_argument("--speed", type=float, default=1.0, help="sim: simulated s per wall s")
     p.add_argument("--tp", type=positive_int, default=1, help="ref: KV shards (TP size)")
-    p.add_argument("--transfer-backend", choices=("nixl", "mooncake", "cma"), default="nixl")
+    p.add_argument("--transfer-backend", choices=BACKENDS, default="nixl")
     p.add_argument(
         "--kv-events-endpoint",
         default=None,
