@@ -151,8 +151,8 @@ def estimate_local(plan: CompactPlan, link: LinkModel) -> float:
 
 def estimate_staged_floor(plan: CompactPlan, link: LinkModel) -> float:
     """A lower bound of `estimate_staged` for any staging of `plan`: one round trip plus the
-    slowest destination rank's bytes on the wire, or all of them over the link's lanes (staging never
-    moves fewer)."""
+    slowest destination rank's bytes on the wire, or all of them over the link's lanes
+    (staging never moves fewer)."""
     per_dst = [b / link.wire_Bps for _c, b in plan.per_dst_rank().values()]
     return link.round_trip_s + _parallel(per_dst, link)
 

@@ -172,12 +172,24 @@ def _allocate_shared(nbytes: int) -> Buffer:
     except BaseException:
         os.close(fd)
         raise
+    _populate_writable(m)
     _MAPS[fd] = m  # the mapping lives as long as this process (a region is never freed)
     return Buffer(MemoryKind.DRAM, np.frombuffer(m, dtype=np.uint8, count=nbytes), fd=fd)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
 _MAPS: dict[int, mmap.mmap] = {}
+
+
+def _populate_writable(m: mmap.mmap) -> None:
+    """MAP_POPULATE maps a shared mapping's pages read-only (a read fault each), so the first
+    write to each page would still fault; populate them writable now, content untouched
+    (Linux ≥ 5.14; elsewhere the first copy pays the faults)."""
+    try:
+        m.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        pass
 
 
 def map_shared(pid: int, fd: int, nbytes: int, writable: bool) -> U8:
@@ -196,6 +208,8 @@ def map_shared(pid: int, fd: int, nbytes: int, writable: bool) -> U8:
         m = mmap.mmap(f, nbytes, mmap.MAP_SHARED | _POPULATE, prot)
     finally:
         os.close(f)
+    if writable:
+        _populate_writable(m)
     arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
     if not writable:
         arr.flags.writeable = False

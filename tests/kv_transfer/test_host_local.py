@@ -312,14 +312,23 @@ def test_refusal_names_why_a_region_cannot_be_driven_here() -> None:
     pools = make_pools()
     ok = pools.src_agents + pools.dst_agents
     assert refusal(ok, MemoryKind.VRAM, 0) is None
-    assert "VRAM only" in str(refusal(ok, MemoryKind.DRAM, 0))
+    # DRAM moves between shm regions only (the cuda_ipc agents here are refused, named).
+    assert "dram between shm regions; prefill-r0 speaks cuda_ipc" in str(
+        refusal(ok, MemoryKind.DRAM, 0)
+    )
+    shm = [replace(a, backend="shm", memory="dram") for a in ok]
+    assert refusal(shm, MemoryKind.DRAM, 0) is None
+    # A DRAM driver copies on the CPU: the regions' devices do not matter.
+    assert refusal([replace(shm[0], device=1), *shm[1:]], MemoryKind.DRAM, 0) is None
     far = replace(ok[0], metadata=metadata({**host_identity(), "boot_id": "another-host"}))
     assert "another host" in str(refusal([far, *ok[1:]], MemoryKind.VRAM, 0))
     assert "GPU 1" in str(refusal([replace(ok[0], device=1), *ok[1:]], MemoryKind.VRAM, 0))
     old = replace(ok[0], metadata=b'{"fields": []}')
     assert "publishes no owner" in str(refusal([old, *ok[1:]], MemoryKind.VRAM, 0))
     nixl = replace(ok[0], backend="nixl")
-    assert "needs cuda_ipc" in str(refusal([nixl, *ok[1:]], MemoryKind.VRAM, 0))
+    assert "vram between cuda_ipc regions; prefill-r0 speaks nixl" in str(
+        refusal([nixl, *ok[1:]], MemoryKind.VRAM, 0)
+    )
 
 
 def test_owner_liveness() -> None:

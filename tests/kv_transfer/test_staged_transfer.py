@@ -90,7 +90,9 @@ class Rig:
             staging_bytes=staging[0],
         )
         self.server = HandshakeServer(build_handshake_app(self.registry))
-        self.client = client_cls(self.decode, chunk_bytes=CHUNK)
+        # Through the ranks: these tests are of the staged and direct paths (the host-local
+        # driver, where shm would take it, has its own: test_shm.py).
+        self.client = client_cls(self.decode, chunk_bytes=CHUNK, driver="ranks")
         self.prefill.call_all("fill_random", GARBAGE)
         self.rng = np.random.default_rng([src_tp, dst_tp])
         self.n = 0

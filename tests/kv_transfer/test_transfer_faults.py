@@ -152,7 +152,7 @@ class Endpoint:
     ) -> None:
         self.registry = PrefillKVRegistry("prefill-0", layout, backend, prefill_agents, lease_s)
         self.server = HandshakeServer(build_handshake_app(self.registry))
-        self.client = DecodeKVClient(decode)
+        self.client = DecodeKVClient(decode, driver="ranks")  # the agents, through the ranks
         self.url = self.server.url
 
     def close(self) -> None:

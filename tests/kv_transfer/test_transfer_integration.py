@@ -166,7 +166,7 @@ class Endpoint:
             f"prefill-tp{prefill.size}", prefill.layout, backend, prefill.infos
         )
         self.server = HandshakeServer(build_handshake_app(self.registry))
-        self.client = DecodeKVClient(decode)
+        self.client = DecodeKVClient(decode, driver="ranks")  # the agents, through the ranks
 
     def close(self) -> None:
         self.client.close()
