@@ -46,7 +46,7 @@ from beamserve.kv_transfer.topology import (
 
 DEFAULT_TOKENS = (2048, 32768, 81920)
 DEFAULT_PAIRS = ((8, 4), (4, 8), (2, 8), (8, 8), (1, 1))
-DEFAULT_BACKENDS = ("nixl", "mooncake", "cma")
+DEFAULT_BACKENDS = ("nixl", "mooncake", "cma", "shm")
 PAGE_SIZE = 64
 GARBAGE_SEED, SENTINEL_SEED = 11, 13
 # Staging pool per rank and wire chunk, by memory kind (host memory is scarcer than HBM here).

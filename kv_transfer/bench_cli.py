@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from beamserve.kv_transfer import bench
+from beamserve.kv_transfer import bench, host_local
 from beamserve.kv_transfer.cost import TransferPath, parse_path
 from beamserve.kv_transfer.memory import MemoryKind, parse_memory
 from beamserve.kv_transfer.topology import KVDtype
@@ -29,12 +29,13 @@ def bench_kv_main(args: argparse.Namespace, console: Console) -> int:
     paths = [parse_path(p) for p in args.path]
     dtypes = [KVDtype(d) for d in args.kv_dtype]
     backends = list(args.backend)
-    if memory is MemoryKind.VRAM and backends == ["nixl", "mooncake", "cma"]:
+    if memory is MemoryKind.VRAM and backends == list(bench.DEFAULT_BACKENDS):
         backends = ["cuda_ipc"]  # the default list is the DRAM one
-    if args.driver == "host_local" and (memory is not MemoryKind.VRAM or backends != ["cuda_ipc"]):
+    local = host_local.REGION_BACKEND[memory]
+    if args.driver == "host_local" and backends != [local]:
         console.print(
-            "[red]--driver host_local drives CUDA IPC-mapped VRAM only: use it with "
-            "--memory vram --backend cuda_ipc (or --driver auto / ranks)[/red]"
+            f"[red]--driver host_local maps {local} regions on {memory.value}: use it with "
+            f"--backend {local} (or --driver auto / ranks)[/red]"
         )
         return 2
     results: list[bench.TransferResult] = []

@@ -50,15 +50,18 @@ def test_bad_arguments_name_the_flag(beamserve: RunBeamserve, args: list[str], n
     assert needle in out.stderr
 
 
-def test_the_host_local_driver_on_host_memory_is_refused_naming_the_fix(
-    beamserve: RunBeamserve, tmp_path: Path
+@pytest.mark.parametrize(
+    ("memory", "backend", "fix"), [("dram", "cma", "--backend shm"), ("vram", "nixl", "cuda_ipc")]
+)
+def test_the_host_local_driver_on_regions_it_cannot_map_is_refused_naming_the_fix(
+    beamserve: RunBeamserve, tmp_path: Path, memory: str, backend: str, fix: str
 ) -> None:
     out = beamserve(
-        "bench", "kv-transfer", "--tokens", "100", "--pairs", "2:1", "--backend", "cma",
-        "--driver", "host_local", "--json", str(tmp_path / "kv.json"),
+        "bench", "kv-transfer", "--tokens", "100", "--pairs", "2:1", "--backend", backend,
+        "--memory", memory, "--driver", "host_local", "--json", str(tmp_path / "kv.json"),
     )  # fmt: skip
     assert out.returncode == 2
-    assert "--memory vram --backend cuda_ipc" in out.stdout
+    assert fix in out.stdout
     assert not (tmp_path / "kv.json").exists()
 
 

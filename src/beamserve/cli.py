@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "ranks", "host_local"),
         default=None,
         help="who drives a pull's reads: ranks (each decode rank its own), host_local (one "
-        "launch over every rank's CUDA IPC-mapped region, one-host VRAM only), auto (the cost "
-        "model; default, or BEAMSERVE_KV_DRIVER)",
+        "process maps every rank's region and copies the whole request: one launch over CUDA "
+        "IPC-mapped VRAM, or copy threads over shm DRAM; one host), auto (the cost model; "
+        "default, or BEAMSERVE_KV_DRIVER)",
     )
     kv.add_argument(
         "--kv-dtype", nargs="+", choices=("bf16", "fp8_e4m3"), default=["bf16"], metavar="DTYPE"
