@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import structlog
+from beamserve.kv_transfer import gate
 from beamserve.kv_transfer.backends.base import AgentInfo
 from beamserve.kv_transfer.compact import HEADER, KernelTables, program_runs
 from beamserve.kv_transfer.errors import PeerLostError, TransferPlanError, TransferTimeoutError
@@ -506,6 +507,7 @@ class _Prep:
     fn: Callable[..., None]
     args: tuple[Any, ...]
     graph: Any  # the captured upload + launch, or None (the first launch of this key)
+    gate: int = 0  # the gate value its queued replay waits for (`gate.py`); 0: not queued
 
 
 class TritonEngine:
@@ -523,6 +525,13 @@ class TritonEngine:
     events (`external` events: record nodes of the graph), and replayed: one `cudaGraphLaunch`
     per request, not two event records, a copy call and Triton's Python launch path. Buffers are
     reused only after the previous launch finished (the driver waits for every launch).
+
+    With a graph for the key, `prepare` also *queues* its replay on a stream of its own behind
+    a gate (`gate.py`: a stream memory wait on pinned host memory), after the work this
+    process queued on the current stream so far; the pull's launch is then one store that
+    opens the gate. A queued replay that the pull does not open in time, or that another
+    prepare replaces, is disarmed (its table's run lengths zeroed, then released: it copies
+    nothing). `BEAMSERVE_KV_LOCAL_GATE=0` switches it off.
     """
 
     def __init__(self, device: int, shape: Any = None) -> None:
@@ -555,10 +564,28 @@ class TritonEngine:
         self._graph_on = bool(self.shape.graph)
         self.launches = 0
         self.replays = 0
+        self.gated = 0  # launches that were one store opening a queued replay
+        self._gate: gate.GateKeeper | None = None
+        gate_on, hold_s = gate.gate_settings()
+        if gate_on and self._graph_on and self._events_in_graph:
+            try:
+                bell = gate.CudaDoorbell(torch, device)
+                self._gate = gate.GateKeeper(bell, lambda: self._host_np, hold_s)
+                self._gate_stream = torch.cuda.Stream(device=device)
+            except gate.GateError as exc:  # the pull replays its graph itself
+                log.warning("kv_local_gate_off", error=str(exc))
+
+    def _finished(self) -> None:
+        """Wait for the last queued launch (from any thread: the gate's watchdog too)."""
+        self._torch.cuda.set_device(self.device)
+        self._end.synchronize()
 
     def upload_buffer(self, n: int) -> Any:
-        """The pinned host buffer's first `n` words, for `KernelTables.bind(out=…)`."""
+        """The pinned host buffer's first `n` words, for `KernelTables.bind(out=…)`. A
+        replay still queued behind the gate is disarmed first (it reads this buffer)."""
         torch = self._torch
+        if self._gate is not None:
+            self._gate.disarm()
         if self._host.numel() < upload_words(n):
             size = 1 << max(16, (upload_words(n) - 1).bit_length())
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
@@ -571,7 +598,36 @@ class TritonEngine:
         self, t: KernelTables, table: Any, base: Buffer, regions: Sequence[Buffer] = ()
     ) -> _Prep:
         """What a launch of `t` over `base` needs, looked up before the pull: the upload's
-        length, the kernel and its arguments, and the captured graph if there is one."""
+        length, the kernel and its arguments, and the captured graph if there is one — which,
+        with the gate on, is queued behind it here (`table` must be the bound upload buffer)."""
+        prep = self._lookup(t, table, base)
+        g = self._gate
+        if g is None or prep.graph is None or len(table) == 0:
+            return prep
+        if table.ctypes.data != self._host_np.ctypes.data:
+            return prep  # bound elsewhere: the launch copies it in first
+        torch, graph, stream = self._torch, prep.graph, self._gate_stream
+        lengths = (int(table[4]), len(table))  # the run lengths: the table's last section
+
+        def enqueue() -> None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after this process's work
+            with torch.cuda.stream(stream):
+                graph.replay()
+
+        try:
+            value = g.arm(stream, lengths, enqueue, self._finished)
+        except gate.GateError as exc:
+            log.warning("kv_local_gate_off", error=str(exc))
+            self._gate = None
+            return prep
+        return dataclasses.replace(prep, gate=value)
+
+    def close(self) -> None:
+        """Disarm a queued replay and stop the gate's watchdog."""
+        if self._gate is not None:
+            self._gate.close()
+
+    def _lookup(self, t: KernelTables, table: Any, base: Buffer) -> _Prep:
         from beamserve.kv_transfer import kernels
 
         s, words = self.shape, upload_words(len(table))
@@ -599,12 +655,27 @@ class TritonEngine:
         prep: Any = None,
     ) -> CopyLaunch:
         n = len(table)
+        if prep is not None and prep.gate and self._gate is not None:
+            t0 = time.perf_counter()
+            if self._gate.open(prep.gate) is not None:  # one store: the replay queued ahead runs
+                self.launches += 1
+                self.replays += 1
+                self.gated += 1
+                launch = _CudaLaunch(self._start, self._end)
+                launch.detail = {"open": time.perf_counter() - t0}
+                launch.replayed = True
+                return launch
+            # Disarmed meanwhile (held past the gate's hold): wait for that empty run to end
+            # (it reads the buffer), then put back the run lengths it zeroed.
+            self._finished()
+            lo = int(table[4])
+            table[lo:] = t.table[lo:]  # binding leaves the run lengths as they are
         buf = self.upload_buffer(n)
         if table.ctypes.data != buf.ctypes.data:  # bound elsewhere: one copy into the buffer
             buf[:] = table
             prep = None  # the buffers may have moved
         if prep is None or (prep.graph is None and prep.key in self._graphs):
-            prep = self.prepare(t, buf, base)
+            prep = self._lookup(t, buf, base)
         t0 = time.perf_counter()
         whole = prep.graph is not None and self._events_in_graph  # one call: events inside
         if not whole:

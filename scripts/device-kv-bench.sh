@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KV transfer on the GPU device machine: GPU tests, then the VRAM benchmark matrix.
 #
-#   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|local2|tests   (run by the `run` tool, repo root)
+#   scripts/device-kv-bench.sh smoke|full|plan|kernel|local|local2|gate|tests   (run by the `run` tool, repo root)
 #
 # `local` (≈ 8 min): the host-local driver (one launch for every rank). First 8:4 at 80K bf16
 # by every path, twice (driver auto: direct and auto take host_local, driven from decode rank
@@ -145,6 +145,26 @@ case "$MODE" in
         "$REPO/tests/kv_transfer/test_compact.py" "$REPO/tests/kv_transfer/test_host_local.py" \
         "$REPO/tests/kv_transfer/test_kernels.py" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes \
         | grep -E 'host-local kernel|runs .* warps|loop|passed|failed|error|Error|SKIP' | tail -16
+    fi ;;
+  gate)  # 7 files come back: env, bench log, four JSONs, test log
+    # The gate (kv_transfer/gate.py): 8:4 at 80K bf16 `--path direct auto` from the caller with
+    # it (the default) and `--path auto` without it (BEAMSERVE_KV_LOCAL_GATE=0), medians of
+    # KV_REPEATS (5) pulls each; then its GPU tests and the host-local CPU tests; then 4:8 8:8
+    # 1:1 and fp8 8:4 by auto with it (KV_PAIRS=0: not).
+    PLOTS=/tmp; export COLUMNS=230 BEAMSERVE_KV_LOCAL_IN=caller
+    gbench() { local name=$1; shift; echo "== $name $* ($(env | grep -E '^BEAMSERVE_KV_' | tr '\n' ' '))" >> "$OUT/local-bench.log"
+      $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" \
+        --repeats "${KV_REPEATS:-5}" 2>&1 \
+        | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
+    gbench kv-transfer-gate --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path direct auto
+    BEAMSERVE_KV_LOCAL_GATE=0 gbench kv-transfer-nogate --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path auto
+    timeout 200 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+      "$REPO/tests/kv_transfer/test_gpu.py" -k "gate or host_local or compact" \
+      "$REPO/tests/kv_transfer/test_gate.py" "$REPO/tests/kv_transfer/test_host_local.py" 2>&1 \
+      | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | grep -E 'host-local kernel|passed|failed|error|Error|SKIP' | tail -16
+    if [ "${KV_PAIRS:-1}" = 1 ]; then
+      KV_REPEATS=${KV_PAIR_REPEATS:-3} gbench kv-transfer-gate-pairs --backend "$BACK" --tokens "$TOK" --pairs 4:8 8:8 1:1 --path auto
+      KV_REPEATS=${KV_PAIR_REPEATS:-3} gbench kv-transfer-gate-fp8 --backend "$BACK" --tokens "$TOK" --pairs 8:4 --kv-dtype fp8_e4m3 --path auto
     fi ;;
   full)  # the GPU tests, then the matrix: 80K tokens, 4 pairs, bf16 and fp8, 3 paths
     $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \

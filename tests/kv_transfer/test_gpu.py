@@ -8,6 +8,7 @@ device memory: the plan is the same, the memory kind is the region's.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -396,3 +397,94 @@ def test_compact_kernel_in_one_process(src_tp: int, dst_tp: int, dtype: KVDtype,
         for r, b in enumerate(d_bufs):
             assert np.array_equal(b.host(), want[r]), f"destination rank {r} after the shapes"
     assert stats.bytes_moved == plan.bytes_moved
+
+
+def test_host_local_gate_queues_the_pull_at_prepare_and_opens_it_in_the_pull() -> None:
+    """The gate (`gate.py`) on the device: `prepare` queues the graph replay behind a stream
+    wait, nothing is copied before the pull opens it, a prepare that replaces it and a hold
+    that runs out disarm it (it copies nothing; the pull then launches by itself), and a
+    device-wide synchronize while one is queued returns once the hold runs out."""
+    import torch
+    from beamserve.kv_transfer.backends.base import AgentInfo
+    from beamserve.kv_transfer.bench import pool_for, scattered_pages
+
+    src, dst = pool_for(MODEL, 2, SEQ_LEN), pool_for(MODEL, 2, SEQ_LEN)
+    rng = np.random.default_rng(11)
+    sp, dp = scattered_pages(src, SEQ_LEN, rng), scattered_pages(dst, SEQ_LEN, rng)
+    plan = plan_transfer(src, dst, SEQ_LEN, sp, dp)
+    t = kernel_tables(compact_plan(src, dst, SEQ_LEN, sp, dp))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    s_bufs = [
+        Buffer(MemoryKind.VRAM, torch.randint(0, 256, (src.region_bytes,), dtype=torch.uint8,
+                                              device="cuda", generator=gen))
+        for _ in range(2)
+    ]  # fmt: skip
+    d_bufs = [allocate(MemoryKind.VRAM, dst.region_bytes) for _ in range(2)]
+    for b in d_bufs:
+        b.data.fill_(0x5A)
+    blank = [b.host().copy() for b in d_bufs]
+    want = [b.copy() for b in blank]
+    hosts = [b.host() for b in s_bufs]
+    for p in plan.pairs:
+        copy_runs(
+            Buffer(MemoryKind.DRAM, hosts[p.src_rank]), p.src_offsets,
+            Buffer(MemoryKind.DRAM, want[p.dst_rank]), p.dst_offsets, p.lengths,
+        )  # fmt: skip
+
+    def info(name: str, b: Buffer) -> AgentInfo:
+        return AgentInfo("cuda_ipc", name, b"{}", b.addr, b.nbytes, "vram", 0)
+
+    s_agents = [info(f"s{r}", b) for r, b in enumerate(s_bufs)]
+    d_agents = [info(f"d{r}", b) for r, b in enumerate(d_bufs)]
+    own = {a.name: b for a, b in zip(s_agents + d_agents, s_bufs + d_bufs, strict=True)}
+    driver = HostLocalDriver(own)
+    driver.pull(t, s_agents, d_agents, time.monotonic() + 60)  # the first launch: captured
+    engine = driver._engine
+    assert engine is not None
+    if engine._gate is None:
+        pytest.skip("no gate here (BEAMSERVE_KV_LOCAL_GATE=0, no graphs, or no stream waits)")
+    keeper = engine._gate
+    keeper.hold_s = 5.0
+
+    def reset() -> None:
+        for b in d_bufs:
+            b.data.fill_(0x5A)
+        torch.cuda.current_stream().synchronize()
+
+    def state() -> list[Any]:
+        return [b.host() for b in d_bufs]
+
+    # Queued at prepare, not run before the pull opens it.
+    reset()
+    ready = driver.prepare(t, s_agents, d_agents)
+    assert ready.launch is not None and ready.launch.gate and keeper.armed is not None
+    time.sleep(0.05)
+    assert all(np.array_equal(h, w) for h, w in zip(state(), blank, strict=True))
+    stats = driver.pull(t, s_agents, d_agents, time.monotonic() + 60, prepared=ready)
+    assert engine.gated == 1 and "launch.open" in stats.phases and stats.kernel_s > 0
+    assert all(np.array_equal(h, w) for h, w in zip(state(), want, strict=True))
+
+    # Replaced by another prepare: the first is disarmed (copies nothing), the second copies.
+    reset()
+    first = driver.prepare(t, s_agents, d_agents)
+    second = driver.prepare(t, s_agents, d_agents)
+    assert keeper.disarmed >= 1 and first.launch.gate != second.launch.gate
+    assert all(np.array_equal(h, w) for h, w in zip(state(), blank, strict=True))
+    driver.pull(t, s_agents, d_agents, time.monotonic() + 60, prepared=second)
+    assert engine.gated == 2
+    assert all(np.array_equal(h, w) for h, w in zip(state(), want, strict=True))
+
+    # Held past its hold: disarmed by the watchdog; the pull then launches by itself.
+    reset()
+    keeper.hold_s = 0.05
+    expired = keeper.expired
+    late = driver.prepare(t, s_agents, d_agents)
+    t0 = time.monotonic()
+    torch.cuda.synchronize()  # waits for the gated stream too: until the hold runs out
+    assert time.monotonic() - t0 < 2.0 and keeper.expired == expired + 1
+    assert all(np.array_equal(h, w) for h, w in zip(state(), blank, strict=True))
+    driver.pull(t, s_agents, d_agents, time.monotonic() + 60, prepared=late)
+    assert engine.gated == 2  # not through the gate
+    assert all(np.array_equal(h, w) for h, w in zip(state(), want, strict=True))
+    driver.close()
+    assert keeper.armed is None
