@@ -149,8 +149,9 @@ case "$MODE" in
   gate)  # 7 files come back: env, bench log, four JSONs, test log
     # The gate (kv_transfer/gate.py): 8:4 at 80K bf16 `--path direct auto` from the caller with
     # it (the default) and `--path auto` without it (BEAMSERVE_KV_LOCAL_GATE=0), medians of
-    # KV_REPEATS (5) pulls each; then its GPU tests and the host-local CPU tests; then 4:8 8:8
-    # 1:1 and fp8 8:4 by auto with it (KV_PAIRS=0: not).
+    # KV_REPEATS (5) pulls each (KV_ABA=1: with it once more after); then its GPU tests and the
+    # host-local CPU tests (KV_TESTS=0: not); then 4:8 8:8 1:1 and fp8 8:4 by auto with it
+    # (KV_PAIRS=0: not).
     PLOTS=/tmp; export COLUMNS=230 BEAMSERVE_KV_LOCAL_IN=caller
     gbench() { local name=$1; shift; echo "== $name $* ($(env | grep -E '^BEAMSERVE_KV_' | tr '\n' ' '))" >> "$OUT/local-bench.log"
       $BS bench kv-transfer --memory "$MEM" --json "$OUT/$name.json" --plot "/tmp/$name.png" "$@" \
@@ -158,7 +159,10 @@ case "$MODE" in
         | grep -v -E '^(\[|W1|I1|E1)|NIXL INFO|CudaIPCTypes' | tee -a "$OUT/local-bench.log" | grep -E 'goal|│' | tail -24; }
     gbench kv-transfer-gate --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path direct auto
     BEAMSERVE_KV_LOCAL_GATE=0 gbench kv-transfer-nogate --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path auto
-    timeout 200 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
+    if [ "${KV_ABA:-0}" = 1 ]; then  # with it again: A B A, so a drift of the machine shows
+      gbench kv-transfer-gate-again --backend "$BACK" --tokens "$TOK" --pairs 8:4 --path auto
+    fi
+    [ "${KV_TESTS:-1}" = 1 ] && timeout 200 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -s -rs \
       "$REPO/tests/kv_transfer/test_gpu.py" -k "gate or host_local or compact" \
       "$REPO/tests/kv_transfer/test_gate.py" "$REPO/tests/kv_transfer/test_host_local.py" 2>&1 \
       | tee "$OUT/gpu-tests.log" | grep -v CudaIPCTypes | grep -E 'host-local kernel|passed|failed|error|Error|SKIP' | tail -16
