@@ -8,6 +8,7 @@ device memory: the plan is the same, the memory kind is the region's.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -300,6 +301,61 @@ def test_host_local_driver_prefill_rank_killed_is_a_lost_peer() -> None:
         rig.prefill.kill_all()
 
 
+@dataclass
+class OneProcessCase:
+    """Device regions of both pools in this process (no IPC), the request's plan and tables,
+    and what every destination region must hold after the pull (`want`; `blank` before)."""
+
+    plan: Any
+    tables: Any
+    s_bufs: list[Buffer]
+    d_bufs: list[Buffer]
+    blank: list[Any]
+    want: list[Any]
+    s_agents: list[Any]
+    d_agents: list[Any]
+    own: dict[str, Buffer]
+
+
+def one_process_case(
+    m: BeamModelConfig, src_tp: int, dst_tp: int, seq: int, dtype: KVDtype, seed: int, gen_seed: int
+) -> OneProcessCase:
+    import torch
+    from beamserve.kv_transfer.backends.base import AgentInfo
+    from beamserve.kv_transfer.bench import pool_for, scattered_pages
+
+    src, dst = pool_for(m, src_tp, seq, kv_dtype=dtype), pool_for(m, dst_tp, seq, kv_dtype=dtype)
+    rng = np.random.default_rng(seed)
+    sp, dp = scattered_pages(src, seq, rng), scattered_pages(dst, seq, rng)
+    plan = plan_transfer(src, dst, seq, sp, dp)
+    t = kernel_tables(compact_plan(src, dst, seq, sp, dp))
+    gen = torch.Generator(device="cuda").manual_seed(gen_seed)
+    s_bufs = [
+        Buffer(MemoryKind.VRAM, torch.randint(0, 256, (src.region_bytes,), dtype=torch.uint8,
+                                              device="cuda", generator=gen))
+        for _ in range(src_tp)
+    ]  # fmt: skip
+    d_bufs = [allocate(MemoryKind.VRAM, dst.region_bytes) for _ in range(dst_tp)]
+    for b in d_bufs:
+        b.data.fill_(0x5A)
+    blank = [b.host().copy() for b in d_bufs]
+    want = [b.copy() for b in blank]
+    hosts = [b.host() for b in s_bufs]
+    for p in plan.pairs:
+        copy_runs(
+            Buffer(MemoryKind.DRAM, hosts[p.src_rank]), p.src_offsets,
+            Buffer(MemoryKind.DRAM, want[p.dst_rank]), p.dst_offsets, p.lengths,
+        )  # fmt: skip
+
+    def info(name: str, b: Buffer) -> AgentInfo:
+        return AgentInfo("cuda_ipc", name, b"{}", b.addr, b.nbytes, "vram", 0)
+
+    s_agents = [info(f"s{r}", b) for r, b in enumerate(s_bufs)]
+    d_agents = [info(f"d{r}", b) for r, b in enumerate(d_bufs)]
+    own = {a.name: b for a, b in zip(s_agents + d_agents, s_bufs + d_bufs, strict=True)}
+    return OneProcessCase(plan, t, s_bufs, d_bufs, blank, want, s_agents, d_agents, own)
+
+
 @pytest.mark.parametrize(
     ("src_tp", "dst_tp", "dtype", "seq"),
     [(8, 4, KVDtype.BF16, 81920), (2, 2, KVDtype.FP8_E4M3, 3000), (1, 1, KVDtype.BF16, 3000)],
@@ -309,38 +365,11 @@ def test_compact_kernel_in_one_process(src_tp: int, dst_tp: int, dtype: KVDtype,
     checked against a host copy of the plan's runs; at 80K, its time beside one device copy of
     the same bytes."""
     import torch
-    from beamserve.kv_transfer.bench import pool_for, scattered_pages
 
     m = beam_1_0() if seq == 81920 else MODEL
-    src, dst = pool_for(m, src_tp, seq, kv_dtype=dtype), pool_for(m, dst_tp, seq, kv_dtype=dtype)
-    rng = np.random.default_rng(seq + src_tp)
-    sp, dp = scattered_pages(src, seq, rng), scattered_pages(dst, seq, rng)
-    plan = plan_transfer(src, dst, seq, sp, dp)
-    t = kernel_tables(compact_plan(src, dst, seq, sp, dp))
-    gen = torch.Generator(device="cuda").manual_seed(seq)
-    s_bufs = [
-        Buffer(MemoryKind.VRAM, torch.randint(0, 256, (src.region_bytes,), dtype=torch.uint8,
-                                              device="cuda", generator=gen))
-        for _ in range(src_tp)
-    ]  # fmt: skip
-    d_bufs = [allocate(MemoryKind.VRAM, dst.region_bytes) for _ in range(dst_tp)]
-    for b in d_bufs:
-        b.data.fill_(0x5A)
-    want = [b.host().copy() for b in d_bufs]
-    hosts = [b.host() for b in s_bufs]
-    for p in plan.pairs:
-        copy_runs(
-            Buffer(MemoryKind.DRAM, hosts[p.src_rank]), p.src_offsets,
-            Buffer(MemoryKind.DRAM, want[p.dst_rank]), p.dst_offsets, p.lengths,
-        )  # fmt: skip
-    from beamserve.kv_transfer.backends.base import AgentInfo
-
-    def info(name: str, b: Buffer) -> AgentInfo:
-        return AgentInfo("cuda_ipc", name, b"{}", b.addr, b.nbytes, "vram", 0)
-
-    s_agents = [info(f"s{r}", b) for r, b in enumerate(s_bufs)]
-    d_agents = [info(f"d{r}", b) for r, b in enumerate(d_bufs)]
-    own = {a.name: b for a, b in zip(s_agents + d_agents, s_bufs + d_bufs, strict=True)}
+    case = one_process_case(m, src_tp, dst_tp, seq, dtype, seq + src_tp, seq)
+    plan, t, s_bufs, d_bufs, want = case.plan, case.tables, case.s_bufs, case.d_bufs, case.want
+    s_agents, d_agents, own = case.s_agents, case.d_agents, case.own
     driver = HostLocalDriver(own)
     stats = driver.pull(t, s_agents, d_agents, time.monotonic() + 60)
     torch.cuda.synchronize()
@@ -405,38 +434,11 @@ def test_host_local_gate_queues_the_pull_at_prepare_and_opens_it_in_the_pull() -
     that runs out disarm it (it copies nothing; the pull then launches by itself), and a
     device-wide synchronize while one is queued returns once the hold runs out."""
     import torch
-    from beamserve.kv_transfer.backends.base import AgentInfo
-    from beamserve.kv_transfer.bench import pool_for, scattered_pages
 
-    src, dst = pool_for(MODEL, 2, SEQ_LEN), pool_for(MODEL, 2, SEQ_LEN)
-    rng = np.random.default_rng(11)
-    sp, dp = scattered_pages(src, SEQ_LEN, rng), scattered_pages(dst, SEQ_LEN, rng)
-    plan = plan_transfer(src, dst, SEQ_LEN, sp, dp)
-    t = kernel_tables(compact_plan(src, dst, SEQ_LEN, sp, dp))
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    s_bufs = [
-        Buffer(MemoryKind.VRAM, torch.randint(0, 256, (src.region_bytes,), dtype=torch.uint8,
-                                              device="cuda", generator=gen))
-        for _ in range(2)
-    ]  # fmt: skip
-    d_bufs = [allocate(MemoryKind.VRAM, dst.region_bytes) for _ in range(2)]
-    for b in d_bufs:
-        b.data.fill_(0x5A)
-    blank = [b.host().copy() for b in d_bufs]
-    want = [b.copy() for b in blank]
-    hosts = [b.host() for b in s_bufs]
-    for p in plan.pairs:
-        copy_runs(
-            Buffer(MemoryKind.DRAM, hosts[p.src_rank]), p.src_offsets,
-            Buffer(MemoryKind.DRAM, want[p.dst_rank]), p.dst_offsets, p.lengths,
-        )  # fmt: skip
-
-    def info(name: str, b: Buffer) -> AgentInfo:
-        return AgentInfo("cuda_ipc", name, b"{}", b.addr, b.nbytes, "vram", 0)
-
-    s_agents = [info(f"s{r}", b) for r, b in enumerate(s_bufs)]
-    d_agents = [info(f"d{r}", b) for r, b in enumerate(d_bufs)]
-    own = {a.name: b for a, b in zip(s_agents + d_agents, s_bufs + d_bufs, strict=True)}
+    case = one_process_case(MODEL, 2, 2, SEQ_LEN, KVDtype.BF16, 11, 11)
+    t, d_bufs, want = case.tables, case.d_bufs, case.want
+    s_agents, d_agents, own = case.s_agents, case.d_agents, case.own
+    blank = case.blank
     driver = HostLocalDriver(own)
     driver.pull(t, s_agents, d_agents, time.monotonic() + 60)  # the first launch: captured
     engine = driver._engine
