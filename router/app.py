@@ -190,6 +190,7 @@ class Router:
             "worker_prefill_tokens": {},
             "worker_decode_tokens": {},
             "worker_breaker_open": {},
+            "worker_resting_sessions": {},
         }
         for e in self.endpoints():
             ld = self.core.loads.load(e.id)
@@ -197,6 +198,7 @@ class Router:
             workers["worker_prefill_tokens"][e.id] = ld.prefill_tokens
             workers["worker_decode_tokens"][e.id] = ld.decode_tokens
             workers["worker_breaker_open"][e.id] = float(not ld.healthy)
+            workers["worker_resting_sessions"][e.id] = self.core.loads.resting_sessions(e.id)
         return {
             "queue_depth": dict(stats.queued),
             "in_flight": self.core.open_dispatches,

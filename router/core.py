@@ -10,7 +10,8 @@ picker and the benchmark replay)::
     d = core.open(request, ticket)          # admitted (flow-control ticket, may be None)
     decision = core.route(d, endpoints, warm)   # decided + dispatched: predictions, load booked
     core.first_token(d)                     # prefill done: its load moves to decode
-    binding = core.finish(d, output_tokens) # success: load and ticket released, breaker closed
+    binding = core.finish(d, output_tokens) # success: load and ticket released, breaker closed;
+                                            #   the session rests on its worker till its next turn
     core.retry(d, worker, ...)              # before the first byte: release, back to admitted
     core.fail(d, worker=…)                  # any other end (upstream 4xx/5xx, timeout,
     core.cancel(d)                          #   client disconnect, cancellation)
@@ -222,6 +223,7 @@ class RoutingCore:
     def open(self, request: RouteRequest, ticket: Releasable | None = None) -> Dispatch:
         """A request was admitted (its flow-control `ticket`, if any, is now the dispatch's)."""
         self.open_dispatches += 1
+        self.loads.wake(request.session_id)  # its next turn is here: no longer resting
         return Dispatch(request, ticket)
 
     def route(
@@ -277,6 +279,8 @@ class RoutingCore:
         r = d.request
         if not r.session_id:
             return None
+        # until its next turn, the session rests on its worker (`LoadBook.rest`)
+        self.loads.rest(r.session_id, decision.decode.id, r.prompt_tokens + output_tokens)
         return SessionBinding(
             r.session_id,
             decision.decode.id,

@@ -101,6 +101,25 @@ first token arrives, so the foreign part looks smaller by what had been computed
 | `replicas_weight` | ``0.2`` | EWMA weight of one scrape in the replica-count estimate ``k`` |
 | `replicas_min_requests` | ``4`` | own requests (latest scrapes) needed to update ``k`` |
 | `replicas_max` | ``64.0`` | upper clamp of ``k`` |
+| `rest_gap_factor` | ``3.0`` | rest window = this × the mean gap from a turn's end to the next |
+| `rest_min_s` / `rest_max_s` | ``1.0`` / ``120.0`` | clamps of the rest window (s) |
+| `rest_initial_s` | ``30.0`` | rest window before any gap was seen (s) |
+| `rest_gap_weight` | ``0.05`` | EWMA weight of one gap in the mean |
+
+Resting sessions (`LoadBook.rest` / `wake`). An agent's session is a chain of turns with a
+think time (a tool call, the user) between them: between turns it is in flight nowhere, yet its
+next turn comes back to the same warm worker within seconds and decodes beside everything
+placed there meanwhile. The book keeps each session whose turn ended (successfully) within the
+*rest window* on the worker it ended on, until its next turn arrives, and reports their context
+as `WorkerLoad.resting_tokens`; with `resting_weight` > 0 (off by default, as measured: see
+`beamserve.router.policy.ttft`) the TTFT estimate prices it like decoding context, so among
+workers that are otherwise alike a new session goes where fewer sessions will be back, instead
+of piling onto a worker whose sessions all happen to be thinking (what a count of in-flight
+requests sees at low concurrency). The window adapts to the traffic: `rest_gap_factor` × the
+running mean of the observed gaps, so a session that ended for good stops counting after a few
+think times. This replica's own sessions only (replica sync does not share them): each replica
+sees the sessions it served, which with session affinity across replicas is its share of
+them.
 
 Health: a circuit breaker per worker. `failure_threshold` consecutive failures (connection
 errors, 5xx before the first byte, failed health checks) open it for `open_s` seconds; then one
@@ -252,6 +271,11 @@ class LoadParams:
     replicas_weight: float = 0.2
     replicas_min_requests: int = 4
     replicas_max: float = 64.0
+    rest_gap_factor: float = 3.0
+    rest_min_s: float = 1.0
+    rest_max_s: float = 120.0
+    rest_initial_s: float = 30.0
+    rest_gap_weight: float = 0.05
 
 
 @dataclass
@@ -274,6 +298,8 @@ class _Worker:
     open_until: float = 0.0
     probing: bool = False
     served: int = 0
+    resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
+    resting: int = 0
 
 
 _IDLE = WorkerLoad()  # a worker the book has never seen: no load, never scraped, healthy
@@ -318,6 +344,10 @@ class LoadBook:
     # this replica's own book for `worker` (the sync publishes it).
     peers: PeerBooks | None = None
     on_change: Callable[[str], None] | None = None
+    # Resting sessions (`rest`): session → (worker, rested at, context tokens), oldest first,
+    # and the running mean of the gaps between a session's rest and its next turn.
+    _rest: dict[str, tuple[str, float, int]] = field(default_factory=dict)
+    rest_gap_s: float | None = None
 
     def _w(self, worker: str) -> _Worker:
         w = self._workers.get(worker)
@@ -330,6 +360,8 @@ class LoadBook:
         keep = set(keep)
         for wid in [w for w in self._workers if w not in keep]:
             gone = self._workers.pop(wid)
+            for session in [s for s, e in self._rest.items() if e[0] == wid]:
+                del self._rest[session]
             self._engine_requests -= gone.counted_engine
             self._own_requests -= gone.counted_own
 
@@ -412,6 +444,69 @@ class LoadBook:
     def booked(self) -> list[str]:
         """The workers this replica's own book holds anything on."""
         return [wid for wid, w in self._workers.items() if _counts(w)]
+
+    # --- resting sessions ------------------------------------------------------------------------
+    @property
+    def rest_window_s(self) -> float:
+        """How long a session counts as resting after its turn ended: `rest_gap_factor` × the
+        mean gap between a turn's end and the session's next turn seen so far (clamped to
+        [`rest_min_s`, `rest_max_s`]; `rest_initial_s` before any gap was seen)."""
+        p = self.params
+        if self.rest_gap_s is None:
+            return p.rest_initial_s
+        return min(max(p.rest_gap_factor * self.rest_gap_s, p.rest_min_s), p.rest_max_s)
+
+    def rest(self, session: str | None, worker: str, context_tokens: int) -> None:
+        """`session`'s turn ended on `worker` with `context_tokens` of context (prompt and
+        output): until its next turn arrives (`wake`) or the rest window passes, that context
+        counts as `WorkerLoad.resting_tokens` there — an agent's next turn comes back within a
+        think time, and then decodes beside whatever was placed there meanwhile."""
+        if not session:
+            return
+        now = self.clock()
+        self._unrest(session)
+        self._rest[session] = (worker, now, context_tokens)
+        w = self._w(worker)
+        w.resting_tokens += context_tokens
+        w.resting += 1
+        self._expire(now)
+
+    def wake(self, session: str | None) -> None:
+        """`session`'s next turn arrived: it no longer rests (its gap feeds the window)."""
+        if not session:
+            return
+        entry = self._unrest(session)
+        if entry is None:
+            return
+        gap = self.clock() - entry[1]
+        a = self.params.rest_gap_weight
+        self.rest_gap_s = (
+            gap if self.rest_gap_s is None else self.rest_gap_s + a * (gap - self.rest_gap_s)
+        )
+
+    def resting_sessions(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return 0 if w is None else w.resting
+
+    def _unrest(self, session: str) -> tuple[str, float, int] | None:
+        entry = self._rest.pop(session, None)
+        if entry is not None:
+            w = self._workers.get(entry[0])
+            if w is not None:
+                w.resting_tokens -= entry[2]
+                w.resting -= 1
+        return entry
+
+    def _expire(self, now: float) -> None:
+        rest = self._rest
+        if not rest:
+            return
+        horizon = now - self.rest_window_s
+        while rest:
+            session = next(iter(rest))
+            if rest[session][1] > horizon:
+                return
+            self._unrest(session)
 
     # --- scraped load ----------------------------------------------------------------------------
     def scraped(self, worker: str, samples: dict[str, float], now: float | None = None) -> None:
@@ -496,6 +591,8 @@ class LoadBook:
                 foreign_decode_tokens=peer.decode_tokens,
             )
         now = self.clock() if now is None else now
+        if self._rest:
+            self._expire(now)
         at = w.scraped_at
         age = None if at is None else (now - at if now > at else 0.0)
         own = _counts(w)
@@ -525,6 +622,7 @@ class LoadBook:
             # foreign = the peers' reported bookings + what the scrape shows beyond all books
             max(peer.prefill_tokens, 0) + eff.foreign_prefill_tokens,
             max(peer.decode_tokens, 0) + eff.foreign_decode_tokens,
+            w.resting_tokens if w.resting_tokens > 0 else 0,
         )
 
     def served(self, worker: str) -> int:

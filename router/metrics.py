@@ -6,7 +6,9 @@ resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_to
 `pd_fallbacks_total{reason}` (prefill leg failed → another prefill worker or local prefill),
 `retries_total{reason}`, `disaggregated_total`. Gauges: `queue_depth{band}`, `in_flight`,
 `worker_in_flight{worker}`, `worker_prefill_tokens{worker}`, `worker_decode_tokens{worker}`,
-`worker_breaker_open{worker}`, `session_store_degraded`, `kv_event_*` (subscriber totals).
+`worker_breaker_open{worker}`, `worker_resting_sessions{worker}` (sessions between turns whose
+next turn is expected back there: `router/load.py`, "Resting sessions"),
+`session_store_degraded`, `kv_event_*` (subscriber totals).
 With replica sync on: gauges `replica_sync_connected`, `replica_sync_peers` (fresh peers),
 `worker_peer_in_flight{worker}` and `worker_peer_prefill_tokens{worker}` (what the fresh peers
 book there); counters `replica_sync_messages_total{direction}` (published | received),
@@ -47,6 +49,7 @@ class _Live(Collector):
             "worker_prefill_tokens": "Router-tracked uncached prompt tokens in prefill.",
             "worker_decode_tokens": "Router-tracked context tokens in decode.",
             "worker_breaker_open": "1 while the worker's circuit breaker is open.",
+            "worker_resting_sessions": "Sessions between turns whose next turn is due here.",
         }
         for name, doc in per.items():
             fam = GaugeMetricFamily(f"beamserve_router_{name}", doc, labels=["worker"])

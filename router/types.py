@@ -145,6 +145,9 @@ class WorkerLoad:
     `queue_len` / `running`: the engine's waiting / running requests — while the scrape is fresh,
     plus this replica's own changes since it; `kv_usage` (fraction 0–1): as scraped;
     `scraped_age_s` seconds ago (None: never scraped); consumers discount stale scrapes.
+    `resting_tokens`: context of the sessions resting here — their last turn ended on this
+    worker less than the rest window ago and their next has not arrived (`LoadBook.rest`):
+    decodes that will be back within a think time.
     """
 
     prefill_tokens: int = 0
@@ -157,6 +160,7 @@ class WorkerLoad:
     healthy: bool = True
     foreign_prefill_tokens: int = 0
     foreign_decode_tokens: int = 0
+    resting_tokens: int = 0
 
     @property
     def effective_prefill_tokens(self) -> int:

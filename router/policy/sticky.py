@@ -83,6 +83,7 @@ window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
 | `predicted_credit` | ``1.0`` | share of a predicted hit block that counts |
+| `resting_weight` | ``0.0`` | TTFT estimator: share of resting sessions' context counted |
 
 Config example::
 
@@ -213,5 +214,6 @@ class StickyUntilSaturated:
                 f"{v.endpoint.id}{' (warm)' if v.warm else ''} ttft={e.seconds:.3f}s "
                 f"cached={e.cached_tokens:.0f} uncached={e.uncached_tokens:.0f} "
                 f"queued={e.queued_prefill_tokens} decode={e.decode_tokens}"
+                + (f" resting={e.resting_tokens}" if e.resting_tokens else "")
             )
         return " | ".join(parts)

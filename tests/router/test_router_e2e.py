@@ -116,6 +116,9 @@ def test_session_stays_on_its_warm_worker(pool: tuple[WorkerProc, list[WorkerPro
         msgs += [r.json()["choices"][0]["message"], {"role": "user", "content": f"turn {turn}"}]
     assert len(set(seen)) == 1
     assert metric(router.url, "beamserve_router_prefix_hits_total", kind="full") >= 3
+    # between turns the session rests on its worker (its next turn is expected back there)
+    resting = metric(router.url, "beamserve_router_worker_resting_sessions", worker=seen[0])
+    assert resting >= 1
     # another session with the same opening shares its prefix: routed to the same worker
     r = httpx.post(
         router.url + "/v1/chat/completions",

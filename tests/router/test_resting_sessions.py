@@ -1,0 +1,211 @@
+"""Resting sessions: a session between turns still weighs on the worker it will come back to.
+
+`LoadBook.rest` / `wake` (the book), the TTFT estimate's `resting_weight` term (the policy), and
+`RoutingCore`'s lifecycle (a finished turn rests its session, the next turn wakes it)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from beamserve.router.core import RoutingCore
+from beamserve.router.load import LoadBook, LoadParams
+from beamserve.router.policy import StickyParams, StickyUntilSaturated, estimate_ttft
+from beamserve.router.types import Endpoint, RouteRequest, WorkerLoad
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.router._policy_views import request, view
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def book(**params: float) -> tuple[LoadBook, Clock]:
+    clock = Clock()
+    return LoadBook(clock=clock, params=LoadParams(**params)), clock  # type: ignore[arg-type]
+
+
+def test_a_resting_session_counts_until_its_next_turn() -> None:
+    b, _ = book()
+    b.rest("s1", "w0", 20_000)
+    b.rest("s2", "w0", 5_000)
+    assert b.load("w0").resting_tokens == 25_000
+    assert b.resting_sessions("w0") == 2
+    assert b.load("w1").resting_tokens == 0
+    b.wake("s1")
+    assert b.load("w0").resting_tokens == 5_000
+    b.wake("s1")  # waking twice, or a session never seen, changes nothing
+    b.wake("never")
+    b.wake(None)
+    assert b.load("w0").resting_tokens == 5_000
+
+
+def test_a_session_rests_only_where_its_last_turn_ended() -> None:
+    b, _ = book()
+    b.rest("s", "w0", 1_000)
+    b.rest("s", "w1", 3_000)  # moved (rebalanced) and finished there
+    assert (b.load("w0").resting_tokens, b.load("w1").resting_tokens) == (0, 3_000)
+
+
+def test_the_rest_window_follows_the_observed_gaps() -> None:
+    b, clock = book(rest_gap_factor=3.0, rest_min_s=1.0, rest_max_s=120.0, rest_initial_s=30.0)
+    assert b.rest_window_s == 30.0  # nothing seen yet
+    for _ in range(200):  # sessions come back 2 s after their turn ends
+        b.rest("s", "w0", 100)
+        clock.t += 2.0
+        b.wake("s")
+    assert abs(b.rest_window_s - 6.0) < 1e-6
+    b.rest("gone", "w0", 7_000)  # a session that ended for good
+    clock.t += 5.9
+    assert b.load("w0").resting_tokens == 7_000
+    clock.t += 0.2
+    assert b.load("w0").resting_tokens == 0
+    assert b.resting_sessions("w0") == 0
+
+
+def test_the_rest_window_is_clamped() -> None:
+    b, clock = book(rest_gap_factor=3.0, rest_min_s=1.0, rest_max_s=10.0)
+    b.rest("s", "w0", 1)
+    clock.t += 1000.0
+    b.wake("s")
+    assert b.rest_window_s == 10.0
+    b2, _ = book(rest_gap_factor=3.0, rest_min_s=1.0, rest_max_s=10.0)
+    b2.rest("s", "w0", 1)
+    b2.wake("s")  # no gap at all
+    assert b2.rest_window_s == 1.0
+
+
+def test_forgetting_a_worker_forgets_its_resting_sessions() -> None:
+    b, _ = book()
+    b.rest("s1", "w0", 10)
+    b.rest("s2", "w1", 20)
+    b.forget(["w1"])
+    assert b.load("w0").resting_tokens == 0
+    b.wake("s1")  # its worker is gone: nothing to undo
+    assert b.load("w1").resting_tokens == 20
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["rest", "wake", "tick"]),
+        st.sampled_from(["s0", "s1", "s2", "s3"]),
+        st.sampled_from(["w0", "w1", "w2"]),
+        st.integers(min_value=0, max_value=50_000),
+        st.floats(min_value=0.0, max_value=5.0),
+    ),
+    max_size=60,
+)
+
+
+@given(ops)
+def test_resting_tokens_are_the_sessions_resting_within_the_window(
+    steps: list[tuple[str, str, str, int, float]],
+) -> None:
+    """Against a plain model: every session's latest rest, unless woken or older than the
+    window (the window as the book states it at each step; it only changes on a wake)."""
+    b, clock = book(rest_gap_factor=2.0, rest_min_s=1.0, rest_max_s=8.0, rest_initial_s=4.0)
+    model: dict[str, tuple[str, float, int]] = {}
+    for op, session, worker, tokens, dt in steps:
+        if op == "rest":
+            b.rest(session, worker, tokens)
+            model[session] = (worker, clock.t, tokens)
+        elif op == "wake":
+            b.wake(session)
+            model.pop(session, None)
+        else:
+            clock.t += dt
+        horizon = clock.t - b.rest_window_s
+        for s in [s for s, e in model.items() if e[1] <= horizon]:
+            del model[s]
+        for w in ("w0", "w1", "w2"):
+            want = [e for e in model.values() if e[0] == w]
+            assert b.load(w).resting_tokens == sum(e[2] for e in want)
+            assert b.resting_sessions(w) == len(want)
+
+
+PARAMS = StickyParams(
+    prefill_tok_s=10_000.0, decode_interference=0.002, tie_window_s=0.0, resting_weight=1.0
+)
+
+
+def test_the_estimate_prices_resting_context_like_decode_context() -> None:
+    idle = view("a")
+    resting = replace(idle, load=WorkerLoad(resting_tokens=20_000))
+    decoding = replace(idle, load=WorkerLoad(decode_tokens=20_000))
+    r = request(4_096)
+    base = estimate_ttft(idle, r, PARAMS).seconds
+    rest = estimate_ttft(resting, r, PARAMS)
+    assert rest.seconds == estimate_ttft(decoding, r, PARAMS).seconds > base
+    assert rest.resting_tokens == 20_000
+    off = PARAMS.model_copy(update={"resting_weight": 0.0})
+    assert estimate_ttft(resting, r, off).seconds == base
+
+
+def test_a_new_session_avoids_the_worker_whose_sessions_are_thinking() -> None:
+    # Both idle (nothing queued, nothing decoding); "a" has a session resting between turns.
+    a = replace(view("a"), load=WorkerLoad(resting_tokens=20_000))
+    b = view("b")
+    policy = StickyUntilSaturated(params=PARAMS)
+    for sid in (f"new-{i}" for i in range(20)):  # whatever the tie-break hash would say
+        d = policy.route(replace(request(8_192), session_id=sid), [a, b])
+        assert d.decode.id == "b"
+    assert "resting=20000" in policy.route(request(8_192), [a, b]).explain
+
+
+def test_resting_counts_for_nothing_by_default() -> None:
+    a = replace(view("a"), load=WorkerLoad(resting_tokens=20_000))
+    r = request(4_096)
+    assert StickyParams().resting_weight == 0.0
+    assert (
+        estimate_ttft(a, r, StickyParams()).seconds
+        == estimate_ttft(view("a"), r, StickyParams()).seconds
+    )
+
+
+def test_resting_does_not_move_a_warm_session() -> None:
+    # The warm worker has other sessions resting; a cold idle one is far less than the margin
+    # better: the session stays.
+    warm = replace(
+        view("a", blocks=128, window_ok=True, warm=True),
+        load=WorkerLoad(resting_tokens=200_000),
+    )
+    d = StickyUntilSaturated(params=PARAMS).route(request(8_192), [warm, view("b")])
+    assert (d.decode.id, d.reason) == ("a", "sticky")
+
+
+def endpoints() -> list[Endpoint]:
+    return [Endpoint(id=w, url=f"http://{w}:8000", role="both") for w in ("w0", "w1")]
+
+
+def test_the_core_rests_a_finished_turn_and_wakes_the_next() -> None:
+    clock = Clock()
+    core = RoutingCore(StickyUntilSaturated(params=PARAMS), clock=clock)
+    eps = endpoints()
+
+    def turn(sid: str, warm: str | None = None) -> str:
+        d = core.open(RouteRequest(request_id=f"{sid}-r", prompt_tokens=4_000, session_id=sid))
+        decision = core.route(d, eps, warm)
+        core.first_token(d)
+        core.finish(d, output_tokens=64)
+        return decision.decode.id
+
+    first = turn("s1")
+    assert core.loads.load(first).resting_tokens == 4_064
+    # a second session goes to the other worker, whatever its id hashes to
+    for i in range(10):
+        sid = f"s2-{i}"
+        other = turn(sid)
+        assert other != first
+        core.loads.wake(sid)  # it leaves for good: only s1 rests
+    # s1's next turn wakes it: while it is in flight it is not resting anywhere
+    d = core.open(RouteRequest(request_id="s1-r2", prompt_tokens=4_100, session_id="s1"))
+    assert core.loads.load(first).resting_tokens == 0
+    core.route(d, eps, first)
+    core.fail(d)  # a failed turn leaves nothing resting
+    assert core.loads.load(first).resting_tokens == 0
+    assert core.loads.load(first).in_flight == 0
