@@ -485,6 +485,9 @@ class LoadBook:
         )
 
     def resting_sessions(self, worker: str) -> int:
+        """How many sessions rest on `worker` now (the `/metrics` gauge)."""
+        if self._rest:
+            self._expire(self.clock())
         w = self._workers.get(worker)
         return 0 if w is None else w.resting
 
@@ -499,8 +502,6 @@ class LoadBook:
 
     def _expire(self, now: float) -> None:
         rest = self._rest
-        if not rest:
-            return
         horizon = now - self.rest_window_s
         while rest:
             session = next(iter(rest))
