@@ -60,7 +60,7 @@ from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
 from beamserve.router.prompt import PromptHasher, PromptKey, PromptTooLong
-from beamserve.router.sessions import SessionRecord, SessionStore, extends_tip
+from beamserve.router.sessions import SessionRecord, SessionStore, extends_tip, tip_blocks
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -333,7 +333,7 @@ class Router:
         )
         hashing_s = time.perf_counter() - t0
         self.check_length(rreq, call, dialect)
-        ticket = await self._admit(request, rreq.band, rreq.tenant, rreq.prompt_tokens, dialect)
+        ticket = await self._admit(request, rreq.band, rreq.tenant, rreq.admission_tokens, dialect)
         d = self.core.open(rreq, ticket)
         self._track(d)
         try:
@@ -384,6 +384,10 @@ class Router:
         raw_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
         tenant, session_id = tenant_and_session(key, raw_id, client)
         record = await self.sessions.get(session_id)
+        band = band_of(key, headers, record, call, prompt.block_hashes)
+        resumed = 0
+        if band == "continuing" and record is not None:  # the tip is this prompt's prefix
+            resumed = min(tip_blocks(record.tip) * self.hasher.block_size, prompt.prompt_tokens)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
             prompt_tokens=prompt.prompt_tokens,
@@ -391,7 +395,8 @@ class Router:
             hashes_for=prompt.hashes_for,  # workers of another KV geometry
             session_id=session_id,
             turn=(record.turns if record is not None else 0),
-            band=band_of(key, headers, record, call, prompt.block_hashes),
+            band=band,
+            resumed_tokens=resumed,
             max_tokens=call.max_tokens or self.settings.default_max_tokens,
             model=model,
             tenant=tenant,

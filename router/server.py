@@ -353,7 +353,7 @@ class GrpcGlue:
         # Queued here, the pick waits (raise Envoy's ext_proc `message_timeout` to match); an
         # ext_proc stream that ends meanwhile cancels this task, which leaves the queue.
         try:
-            ticket = await self.rt.flow.admit(rreq.band, rreq.tenant, rreq.prompt_tokens)
+            ticket = await self.rt.flow.admit(rreq.band, rreq.tenant, rreq.admission_tokens)
         except Shed as shed:
             return PickResult(
                 endpoint=None,

@@ -125,6 +125,13 @@ def session_tip(block_hashes: Sequence[int]) -> str:
     return f"{n}:{block_hashes[n - 1]}" if n >= 1 else ""
 
 
+def tip_blocks(tip: str | None) -> int:
+    """How many blocks a tip (`session_tip`) says the previous turn's prompt reached; 0 when
+    there is none or it cannot be read."""
+    n_text, _, _h = (tip or "").partition(":")
+    return int(n_text) if n_text.isdigit() else 0
+
+
 def extends_tip(tip: str | None, block_hashes: Sequence[int]) -> bool:
     """True iff a request's block hashes carry the previous turn's tip at the same position:
     the request's prompt starts with the previous turn's prompt (block hashes are chained, so

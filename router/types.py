@@ -201,6 +201,10 @@ class RouteRequest:
     max_tokens: int = 256
     model: str = ""
     tenant: str = ""
+    # Of `prompt_tokens`, how many the session's previous turn already reached (its tip,
+    # `sessions.session_tip`: the prefix the warm worker holds unless it evicted it); 0 for a
+    # request that does not continue a session.
+    resumed_tokens: int = 0
     # KV geometry: `block_hashes` are in `geometry` (None: the router's default geometry);
     # `hashes_for(g)` gives the prompt's hashes in another geometry (a worker that reports its
     # own; cached per geometry), None when the prompt's tokens are not known (then a worker of
@@ -216,6 +220,21 @@ class RouteRequest:
     router_peers: int = 0
     router_rank: int = 0
     since_last_decision_s: float = float("inf")
+
+    @property
+    def admission_tokens(self) -> int:
+        """The flow-control cost (`FlowController.admit`): the prefill this request is
+        expected to add to the pool — the prompt past what its session's previous turn
+        reached, at least 1. The saturation level it is weighed against counts uncached prompt
+        tokens too, so a continuing turn whose 25K-token prompt is 24K cached costs 1K, not 25K
+        (charging the whole prompt held continuing turns back at a pool that had room)."""
+        return admission_tokens(self.prompt_tokens, self.resumed_tokens)
+
+
+def admission_tokens(prompt_tokens: int, resumed_tokens: int = 0) -> int:
+    """A request's flow-control cost (`RouteRequest.admission_tokens`): its prompt past the
+    `resumed_tokens` its session's previous turn reached, at least 1."""
+    return max(prompt_tokens - resumed_tokens, 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,9 +85,9 @@ from beamserve.router.flow import (
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import QUEUED_PREFILL_METRICS, LoadBook, LoadParams
 from beamserve.router.policy import RoutingPolicy, build_policy
-from beamserve.router.sessions import MemorySessionStore
+from beamserve.router.sessions import MemorySessionStore, extends_tip, session_tip, tip_blocks
 from beamserve.router.sync import ReplicaSync, SyncParams, SyncState
-from beamserve.router.types import Band, Endpoint, RouteRequest
+from beamserve.router.types import Band, Endpoint, RouteRequest, admission_tokens
 from beamserve.workers.sim import (
     EngineConfig,
     RequestUpdate,
@@ -373,6 +373,7 @@ class Replay:
         }
         self.sessions = MemorySessionStore(ttl_s=cfg.session_ttl_s, clock=now)
         self.records: list[RequestRecord] = []
+        self._tips: dict[str, str] = {}  # session → its last dispatched prompt's tip
         self._seq = itertools.count()
         self._active = 0  # queued or in flight
         self._done = 0
@@ -521,10 +522,14 @@ class Replay:
             self._dispatch(rec, None, next_in_session)
             return
         self._observe_pool(k)
+        resumed = 0  # what the router's door counts (`Router.route_request`)
+        tip = self._tips.get(req.session) if req.session is not None else None
+        if rec.band == "continuing" and extends_tip(tip, req.block_hashes):
+            resumed = tip_blocks(tip) * INDEX_BLOCK_SIZE
         flow.submit(
             rec.band,
             req.session or req.key,
-            req.prompt_tokens,
+            admission_tokens(req.prompt_tokens, resumed),
             lambda ticket: self._dispatch(rec, ticket, next_in_session),
             lambda _exc: self._shed(rec),
         )
@@ -555,6 +560,7 @@ class Replay:
         worker = decision.decode.id
         if req.session is not None:
             self.sessions.bind_now(req.session, worker, turn_tokens=req.prompt_tokens)
+            self._tips[req.session] = session_tip(req.block_hashes)
         rec.worker = worker
         rec.reason = decision.reason
         rec.hit_kind = decision.expected_hit.kind

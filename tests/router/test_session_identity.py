@@ -18,7 +18,14 @@ from beamserve.router.api.models import parse_request
 from beamserve.router.app import ANONYMOUS, KeyPolicy, RouterSettings, band_of, tenant_and_session
 from beamserve.router.grpc_api import build_server
 from beamserve.router.server import GrpcGlue, RouterRuntime, gateway_client
-from beamserve.router.sessions import MemorySessionStore, SessionRecord, extends_tip, session_tip
+from beamserve.router.sessions import (
+    MemorySessionStore,
+    SessionRecord,
+    extends_tip,
+    session_tip,
+    tip_blocks,
+)
+from beamserve.router.types import RouteRequest, admission_tokens
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given
 from hypothesis import strategies as st
@@ -56,6 +63,20 @@ def test_a_prompt_that_extends_the_last_turn_carries_its_tip(
     assert not extends_tip(tip, prev[: len(prev) - 2])  # shorter than the tip
     other = [h ^ 1 for h in prev] + more  # another conversation (chained hashes all differ)
     assert not extends_tip(tip, other)
+
+
+@given(prev=hashes, more=hashes)
+def test_a_tip_says_how_many_blocks_the_last_turn_reached(prev: list[int], more: list[int]) -> None:
+    n = tip_blocks(session_tip(prev))
+    assert n == max(len(prev) - 1, 0) if len(prev) >= 2 else n == 0
+    assert prev[:n] == (prev + more)[:n]  # what a continuing turn shares with the last one
+
+
+@given(prompt=st.integers(0, 1 << 20), resumed=st.integers(0, 1 << 20))
+def test_admission_cost_is_the_prompt_past_the_resumed_prefix(prompt: int, resumed: int) -> None:
+    cost = RouteRequest("r", prompt_tokens=prompt, resumed_tokens=resumed).admission_tokens
+    assert cost == admission_tokens(prompt, resumed) == max(prompt - resumed, 1)
+    assert RouteRequest("r", prompt_tokens=prompt).admission_tokens == max(prompt, 1)
 
 
 def test_malformed_tips_are_no_evidence() -> None:
@@ -174,6 +195,54 @@ def test_continuing_band_over_http_needs_the_previous_turn(spawn_worker: SpawnWo
             assert "band=new" in r.headers["x-beamserve-route"], r.headers
 
     asyncio.run(main())
+
+
+def test_a_continuing_turn_is_admitted_at_the_cost_of_its_new_part(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """The flow controller weighs a request's cost against a level of uncached prefill tokens:
+    a new session pays its whole prompt, a continuing turn only what its previous turn's
+    prompt did not reach (the door reads that from the session's tip)."""
+    w = spawn_worker("--engine", "sim")
+    rt = runtime([w.url])
+    costs: list[tuple[str, int]] = []
+    admit = rt.flow.admit
+
+    async def record(band: Any, tenant: str, cost: int, ttl_s: float | None = None) -> Any:
+        costs.append((band, cost))
+        return await admit(band, tenant, cost, ttl_s)
+
+    rt.flow.admit = record  # type: ignore[method-assign]
+    seen: list[RouteRequest] = []
+    dispatched = rt.core.dispatched
+
+    def book(req: Any, d: Any) -> Any:
+        seen.append(req)
+        return dispatched(req, d)
+
+    rt.core.dispatched = book  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            sid = {"x-session-id": "agent-7"}
+            url = "/v1/chat/completions"
+            first = await c.post(url, json=chat(OPENING), headers=sid)
+            assert first.status_code == 200, first.text
+            answer = first.json()["choices"][0]["message"]["content"]
+            nxt = [*OPENING, {"role": "assistant", "content": answer},
+                   {"role": "user", "content": "now run it"}]  # fmt: skip
+            r = await c.post(url, json=chat(nxt), headers=sid)
+            assert "band=continuing" in r.headers["x-beamserve-route"], r.headers
+
+    asyncio.run(main())
+    (b0, c0), (b1, c1) = costs
+    r0, r1 = seen
+    assert (b0, c0, r0.resumed_tokens) == ("new", r0.prompt_tokens, 0)
+    block = rt.router.hasher.block_size
+    # the previous prompt less its last (possibly straddling) full block and its partial one
+    assert r0.prompt_tokens - 2 * block < r1.resumed_tokens <= r0.prompt_tokens
+    assert b1 == "continuing" and c1 == r1.prompt_tokens - r1.resumed_tokens
+    assert c1 < r1.prompt_tokens - r0.prompt_tokens + 2 * block
 
 
 def test_a_caller_minting_session_ids_does_not_starve_another_tenant(
