@@ -43,6 +43,7 @@ from .agentic_procs import (
     sigterm_as_exception,
     start_router,
     start_workers,
+    worker_step_lag_s,
 )
 from .agentic_stats import SLO_TOK_S, SLO_TTFT_S, RequestRecord, is_token_chunk, summarize
 from .agentic_workload import PromptBuilder, Session, Turn
@@ -63,6 +64,7 @@ class AgenticConfig:
     workers: int = 4
     profile: str = "h200-bf16-tp8"
     max_model_len: int | None = 262_144
+    catch_up_s: float | None = None  # the started workers' --catch-up-s (None: theirs)
     request_timeout_s: float = 600.0
     slo_ttft_s: float = SLO_TTFT_S
     slo_tok_s: float = SLO_TOK_S
@@ -259,6 +261,7 @@ def run_agentic(
         "session_names": [s.name for s in cfg.sessions],
         "block_tokens": cfg.block_tokens,
         "worker_max_model_len": cfg.max_model_len,
+        "worker_catch_up_s": cfg.catch_up_s,
         "command": " ".join(sys.argv),
         **cfg.extra,
     }
@@ -332,7 +335,13 @@ def _one_run(
     assert spec is not None
     logs = cfg.logs / f"{spec.name}-c{level}" if cfg.logs is not None else None
     with Procs(keep_logs=logs) as procs:
-        workers = start_workers(procs, cfg.workers, cfg.profile, max_model_len=cfg.max_model_len)
+        workers = start_workers(
+            procs,
+            cfg.workers,
+            cfg.profile,
+            max_model_len=cfg.max_model_len,
+            catch_up_s=cfg.catch_up_s,
+        )
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)
         cpu0 = router.cpu_seconds()
@@ -348,6 +357,7 @@ def _one_run(
         )
         cpu1 = router.cpu_seconds()
         alive = router.alive()
+        lag = sum(worker_step_lag_s(w.url) for w in workers)
     out = _figures(records, dur, gpus, cfg)
     _write_records(cfg, f"{spec.name}-c{level}", records)
     cpu = cpu1 - cpu0
@@ -357,6 +367,10 @@ def _one_run(
         "router_cpu_s": cpu,
         "router_cpu_s_per_request": cpu / len(records) if records else None,
         "router_alive_at_end": alive,
+        # engine time the sim workers lost to a busy host, as a share of the run's
+        # worker-seconds (`beamserve.workers.sim.engine`, "Host lateness")
+        "worker_step_lag_s": lag,
+        "worker_step_lag_share": lag / (dur * len(workers)) if dur > 0 and workers else None,
     }
     return out
 

@@ -160,6 +160,14 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
         help="--max-model-len of the started workers (the longest scaled prompts of the set "
         "exceed the sim's default 131,072)",
     )
+    p.add_argument(
+        "--worker-catch-up-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--catch-up-s of the started workers (default theirs, 0.25: a busy host's late "
+        "step timers do not slow the simulated GPUs; 0 = they do)",
+    )
     p.add_argument("--slo-ttft-s", type=_positive, default=2.0, metavar="S")
     p.add_argument("--slo-tok-s", type=_positive, default=20.0, metavar="X")
     p.add_argument("--request-timeout-s", type=_positive, default=600.0, metavar="S")
@@ -318,6 +326,7 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
         workers=args.workers,
         profile=args.profile,
         max_model_len=args.worker_max_model_len,
+        catch_up_s=args.worker_catch_up_s,
         request_timeout_s=args.request_timeout_s,
         slo_ttft_s=args.slo_ttft_s,
         slo_tok_s=args.slo_tok_s,

@@ -217,6 +217,7 @@ def start_workers(
     profile: str,
     *,
     max_model_len: int | None = None,
+    catch_up_s: float | None = None,
     ready_timeout_s: float = 120.0,
     tag: str = "w",
 ) -> list[Worker]:
@@ -229,6 +230,8 @@ def start_workers(
                 "--kv-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
         if max_model_len is not None:
             argv += ["--max-model-len", str(max_model_len)]
+        if catch_up_s is not None:
+            argv += ["--catch-up-s", str(catch_up_s)]
         started.append(procs.start(f"{tag}{i}", argv))
     out = []
     for p in started:
@@ -240,6 +243,21 @@ def start_workers(
             )
         )
     return out
+
+
+def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
+    """A sim worker's `beamserve_worker_step_lag_seconds_total` (engine time lost to a busy
+    host); 0 when it cannot be read."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    m = re.search(r"^beamserve_worker_step_lag_seconds_total\s+(\S+)", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 # --- routers -----------------------------------------------------------------------------------

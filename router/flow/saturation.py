@@ -25,15 +25,15 @@ snapshot cannot show yet (admission happens before routing books the request's l
     (with ``exempt_first=False`` the first alternative does not apply)
 
 `admits` is what the flow controller asks before each dispatch while the pool is not saturated:
-without it, the first snapshot below the threshold would release the whole backlog at once (at
-1.5× overload that is minutes of prefill queued inside the engines, where no band priority
-applies, and continuing turns wait behind it). The cost is the prefill the request is expected
-to add, in the level's own unit (uncached prompt tokens): `RouteRequest.admission_tokens`, the
-prompt past what its session's previous turn reached — a new session's whole prompt, a
-continuing turn's new part (charging a continuing turn its whole, mostly cached prompt held
-continuing turns back at a pool with room: at 64 agents over HTTP their TTFT p50 was 0.40 s,
-0.25 s at this cost, 0.19 s with the gate off — docs/bench/agentic.md). The first admission after a snapshot always passes, so a request larger than the
-headroom is never starved.
+without it, the first snapshot below the threshold would release the whole backlog at once (at 1.5×
+overload that is minutes of prefill queued inside the engines, where no band priority applies, and
+continuing turns wait behind it). The cost is the prefill the request is expected to add, in the
+level's own unit (uncached prompt tokens): `RouteRequest.admission_tokens`, the prompt past what its
+session's previous turn reached — a new session's whole prompt, a continuing turn's new part
+(charging a continuing turn its whole, mostly cached prompt held continuing turns back at a pool
+with room: at 64 agents over HTTP their TTFT p50 was 0.40 s, 0.25 s at this cost, 0.19 s with the
+gate off — docs/bench/agentic.md). The first admission after a snapshot always passes, so a request
+larger than the headroom is never starved.
 
 The per-worker terms and defaults follow llm-d's detector (``max(queue/5, kv/0.8)``, pool
 average). Unlike llm-d, a stale scrape does not make a worker count as saturated: this router

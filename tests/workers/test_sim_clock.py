@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 from beamserve.workers.sim import (
@@ -194,3 +195,56 @@ def test_virtual_replay_does_not_wait_out_simulated_time() -> None:
     r = run_scenario(GB300_NVFP4_TP4, sc)
     assert r.sim_seconds > 60
     assert r.wall_seconds < r.sim_seconds, f"{r.wall_seconds:.1f} s wall for {r.sim_seconds:.1f}"
+
+
+class LateHostClock(VirtualClock):
+    """A virtual clock whose step-end timers run `late` seconds after they were due, as on a
+    busy host (stands below the engine under test)."""
+
+    def __init__(self, late: float) -> None:
+        super().__init__()
+        self.late = late
+
+    def call_at(self, when: float, callback: Any) -> Any:
+        if getattr(callback, "__name__", "") == "_on_step_end":
+            when += self.late
+        return super().call_at(when, callback)
+
+
+def _decode_run(late: float, catch_up_s: float) -> tuple[RequestMetrics, float]:
+    config = EngineConfig.from_profile(TINY_CPU)
+    clock = LateHostClock(late)
+    engine = SimEngine(config, clock, catch_up_s=catch_up_s)
+    done: list[RequestMetrics] = []
+    engine.submit(
+        SimRequest("r", token_ids=tuple(range(100, 164)), max_output_tokens=40),
+        lambda u: done.append(u.metrics) if u.metrics is not None else None,
+    )
+    clock.run()
+    return done[0], engine.stats().step_lag_seconds
+
+
+@pytest.mark.parametrize("late", [0.0005, 0.002, 0.01])
+def test_a_busy_host_does_not_slow_the_simulated_gpu(late: float) -> None:
+    """Step timers that run late (a busy host) delay each token by at most that lateness when
+    the engine catches up; without catching up every late step pushes all later ones back."""
+    exact, lag0 = _decode_run(0.0, 0.25)
+    caught, lag1 = _decode_run(late, 0.25)
+    lost, lag2 = _decode_run(late, 0.0)
+    steps = len(exact.token_times)
+    assert lag0 == 0.0 and lag1 == 0.0
+    for t_exact, t_caught in zip(exact.token_times, caught.token_times, strict=True):
+        assert t_exact <= t_caught <= t_exact + late + 1e-9  # late by one timer, never more
+    # the lost time is counted, and every later token comes that much later
+    assert lag2 == pytest.approx(late * steps, rel=1e-6)
+    assert lost.token_times[-1] - exact.token_times[-1] == pytest.approx(late * steps, rel=1e-6)
+
+
+def test_a_long_stall_is_not_caught_up_and_catch_up_must_not_be_negative() -> None:
+    m, lag = _decode_run(0.5, 0.25)  # each timer half a second late: beyond catching up
+    exact, _ = _decode_run(0.0, 0.25)
+    steps = len(exact.token_times)
+    assert lag == pytest.approx(0.5 * steps, rel=1e-6)
+    assert m.token_times[-1] > exact.token_times[-1] + 0.5 * (steps - 1)
+    with pytest.raises(ValueError, match="catch_up_s"):
+        SimEngine(EngineConfig.from_profile(TINY_CPU), VirtualClock(), catch_up_s=-1)

@@ -172,6 +172,7 @@ class WorkerStats:
     kv_event_batches: int = 0
     kv_event_batches_dropped: int = 0
     queued_prefill_tokens: int | None = None  # None: the engine cannot tell (not exported)
+    step_lag_seconds: float = 0.0  # sim: time lost to a busy host (`SimEngine`, "Host lateness")
 
 
 class Backend(Protocol):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from beamserve.kv_transfer.backends.names import BACKENDS
+from beamserve.workers.sim.engine import DEFAULT_CATCH_UP_S
 
 from beamserve.argtypes import positive_int
 
@@ -49,6 +50,13 @@ def add_worker(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--profile", default="tiny-cpu", help="sim hardware profile")
     p.add_argument("--page-size", type=positive_int, default=None, help="sim 64, ref 16")
     p.add_argument("--speed", type=float, default=1.0, help="sim: simulated s per wall s")
+    p.add_argument(
+        "--catch-up-s",
+        type=float,
+        default=DEFAULT_CATCH_UP_S,
+        help="sim: a step timer that runs up to this late (a busy host) does not delay the "
+        f"steps after it; 0 = every lateness delays them (default {DEFAULT_CATCH_UP_S:g})",
+    )
     p.add_argument("--tp", type=positive_int, default=1, help="ref: KV shards (TP size)")
     p.add_argument("--transfer-backend", choices=BACKENDS, default="nixl")
     p.add_argument(
@@ -134,6 +142,7 @@ async def _serve(args: argparse.Namespace) -> int:
             profile=args.profile,
             page_size=args.page_size or 64,
             speed=args.speed,
+            catch_up_s=args.catch_up_s,
             **_backend_args(args),
         )
         await backend.start()

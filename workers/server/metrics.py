@@ -12,15 +12,16 @@ read our workers unchanged (REFERENCE.md, "Metrics names engines expose").
 `sglang:cache_hit_rate`, `sglang:prompt_tokens`, `sglang:generation_tokens`,
 `sglang:num_transfer_failed_reqs`, histograms `sglang:time_to_first_token_seconds` and
 `sglang:e2e_request_latency_seconds`; label `model_name`.
-Both: beamserve's own `beamserve_worker_kv_recompute_fallbacks_total` (decode requests whose
-KV transfer failed and were prefilled locally), `beamserve_worker_kv_transfers_total`,
+Both: beamserve's own `beamserve_worker_kv_recompute_fallbacks_total` (decode requests whose KV
+transfer failed and were prefilled locally), `beamserve_worker_kv_transfers_total`,
 `beamserve_worker_kv_transfer_bytes_total`, `beamserve_worker_kv_leases_held`,
 `beamserve_worker_kv_event_batches_total`, `beamserve_worker_kv_event_batches_dropped_total`,
-`beamserve_worker_ready`, and the gauge `beamserve_worker_queued_prefill_tokens`: prompt
-tokens still to compute for requests waiting or in prefill (waiting ones net of their current
-prefix-cache hit). Neither vLLM nor SGLang exports such a gauge on `/metrics` (vLLM counts
-waiting *requests*; SGLang's token load is only on its `/get_load` endpoint), so it carries
-beamserve's name; the router combines it with its own book across replicas
+`beamserve_worker_ready`, the sim's `beamserve_worker_step_lag_seconds_total` (engine time lost to a
+busy host: `beamserve.workers.sim.engine`, "Host lateness"), and the gauge
+`beamserve_worker_queued_prefill_tokens`: prompt tokens still to compute for requests waiting or in
+prefill (waiting ones net of their current prefix-cache hit). Neither vLLM nor SGLang exports such a
+gauge on `/metrics` (vLLM counts waiting *requests*; SGLang's token load is only on its `/get_load`
+endpoint), so it carries beamserve's name; the router combines it with its own book across replicas
 (`beamserve.router.load`). Exported by the sim engine only (the ref engine does not track it).
 """
 
@@ -213,6 +214,11 @@ class _StatsCollector(Collector):
                     "beamserve_worker_kv_event_batches_dropped",
                     "KV event batches dropped (faults).",
                     s.kv_event_batches_dropped,
+                ),
+                (
+                    "beamserve_worker_step_lag_seconds",
+                    "sim: engine time lost to a busy host (step timers that ran late).",
+                    s.step_lag_seconds,
                 ),
             ],
         )

@@ -33,7 +33,7 @@ from beamserve.workers.server.backend import (
 )
 from beamserve.workers.sim.clock import RealClock
 from beamserve.workers.sim.config import EngineConfig
-from beamserve.workers.sim.engine import SimEngine
+from beamserve.workers.sim.engine import DEFAULT_CATCH_UP_S, SimEngine
 from beamserve.workers.sim.faults import FaultConfig
 from beamserve.workers.sim.profiles import get_profile
 from beamserve.workers.sim.request import (
@@ -61,6 +61,7 @@ class SimBackend:
         model_name: str = "beam",
         page_size: int = 64,
         speed: float = 1.0,
+        catch_up_s: float = DEFAULT_CATCH_UP_S,
         engine_overrides: dict[str, Any] | None = None,
         publisher: KVEventPublisher | None = None,
         handshake_host: str = "127.0.0.1",
@@ -76,6 +77,7 @@ class SimBackend:
         self.tp_size = self._profile.gpus
         self._overrides = dict(engine_overrides or {})
         self._speed = speed
+        self._catch_up_s = catch_up_s
         self._publisher = publisher
         self._hs_host, self._hs_port = handshake_host, handshake_port
         self._advertise = advertise_host
@@ -99,7 +101,9 @@ class SimBackend:
             **self._overrides,
         )
         sink = self._publish if self._publisher is not None else None
-        self._engine = SimEngine(config, RealClock(self._speed), kv_events=sink)
+        self._engine = SimEngine(
+            config, RealClock(self._speed), kv_events=sink, catch_up_s=self._catch_up_s
+        )
         self._http = httpx.AsyncClient()
         self._readable_ids()  # once at start, not on the first request
         if self.role in ("prefill", "both"):
@@ -286,6 +290,7 @@ class SimBackend:
             kv_event_batches=s.kv_event_batches_total,
             kv_event_batches_dropped=s.kv_event_batches_dropped,
             queued_prefill_tokens=s.queued_prefill_tokens,
+            step_lag_seconds=s.step_lag_seconds,
         )
 
     def server_info(self) -> dict[str, Any]:

@@ -5,6 +5,17 @@ time, its duration comes from the latency model, and its results are applied by 
 step's end, after which the next step starts at once. Under a `VirtualClock` the replay jumps
 from step end to step end; under a `RealClock` the same code serves behind HTTP.
 
+**Host lateness.** Under a `RealClock` the timer of a step's end runs late when the host's
+cores are busy (other processes, this one's own HTTP work). A GPU does not slow down because
+its host process was descheduled, so by default the next step is timed from the late step's
+*planned* end, not from when its timer ran: the simulated GPU keeps its pace and the lateness
+does not accumulate (`catch_up_s`: lateness up to this much is caught up; a longer stall —
+a stopped process, a debugger — restarts the clock at the late time; 0 turns catching up off).
+The time lost is counted (`EngineStats.step_lag_seconds`, on `/metrics` as
+`beamserve_worker_step_lag_seconds`: lateness not caught up, by which every later step ends
+later — all of it with catching up off). Under a `VirtualClock` timers are never late and
+none of this applies.
+
 Threading: every method must be called on the clock's thread (the asyncio loop for
 `RealClock`); listeners and the KV event sink are called there too and must not block.
 
@@ -52,7 +63,8 @@ class EngineStats:
     preemptions, steps, finished / failed requests, KV batches emitted / dropped;
     `busy_seconds`: clock seconds spent in steps. `queued_prefill_tokens`: prompt tokens still
     to compute for requests waiting or in prefill (`Scheduler.queued_prefill_tokens`; no vLLM
-    or SGLang counterpart on `/metrics`).
+    or SGLang counterpart on `/metrics`). `step_lag_seconds`: time lost to late step-end
+    timers (module docstring, "Host lateness").
     """
 
     time: float
@@ -81,6 +93,12 @@ class EngineStats:
     kv_event_batches_total: int
     kv_event_batches_dropped: int
     queued_prefill_tokens: int = 0
+    step_lag_seconds: float = 0.0  # time lost to late step-end timers (module docstring)
+
+
+# Step-end lateness up to this is caught up (module docstring, "Host lateness"): far above a
+# busy host's scheduling delays (milliseconds), far below a stopped process's.
+DEFAULT_CATCH_UP_S = 0.25
 
 
 class SimEngine:
@@ -93,9 +111,14 @@ class SimEngine:
         *,
         kv_events: KVEventSink | None = None,
         faults: FaultConfig | None = None,
+        catch_up_s: float = DEFAULT_CATCH_UP_S,
     ) -> None:
+        if catch_up_s < 0:
+            raise ValueError(f"catch_up_s: must be ≥ 0 (0 = off), got {catch_up_s}")
         self.config = config
         self.clock = clock
+        self.catch_up_s = catch_up_s
+        self._lag_s = 0.0
         self.latency = LatencyModel(config.profile)
         self._sink = kv_events
         self._faults = FaultInjector(faults)
@@ -251,6 +274,7 @@ class SimEngine:
             kv_event_batches_total=self._batches,
             kv_event_batches_dropped=self._dropped,
             queued_prefill_tokens=self._sched.queued_prefill_tokens(),
+            step_lag_seconds=self._lag_s,
         )
 
     @property
@@ -305,7 +329,9 @@ class SimEngine:
         finally:
             self._in_callback = False
 
-    def _start_step(self) -> None:
+    def _start_step(self, resume_at: float | None = None) -> None:
+        """Form and time the next step. `resume_at`: the previous step's planned end, when its
+        timer ran late (module docstring, "Host lateness"): this step's time runs from there."""
         if not self._alive:
             return
         now = self.clock.now()
@@ -318,7 +344,7 @@ class SimEngine:
             return
         self._in_flight = plan
         dt = self.latency.step_seconds(plan.work) * self._faults.slowdown
-        self._set_timer(now + dt, self._on_step_end)
+        self._set_timer((now if resume_at is None else resume_at) + dt, self._on_step_end)
 
     def _on_step_end(self) -> None:
         self._timer = None
@@ -329,11 +355,17 @@ class SimEngine:
         self._in_callback = True
         try:
             now = self.clock.now()
+            late = now - self._timer_at
+            resume_at = None
+            if 0 < late <= self.catch_up_s:
+                resume_at = self._timer_at  # caught up: the next step keeps the GPU's pace
+            elif late > 0:
+                self._lag_s += late  # lost: every later step ends this much later
             dying = self._faults.token_allowance() is not None
             emissions = self._sched.complete(plan, now, report_all=dying)
             self._deliver(emissions, now, dying)
             self._flush_events()
-            self._start_step()
+            self._start_step(resume_at)
         finally:
             self._in_callback = False
 
