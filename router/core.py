@@ -129,6 +129,9 @@ class RoutingCore:
         # into the index, with the blocks it added or refreshed (replica sync,
         # `beamserve.router.sync`, shares them with the peers).
         self.on_predict: Callable[[str, tuple[int, ...], float], None] | None = None
+        # Whether the pool is saturated now (the flow controller's signal; None: never):
+        # `decide` stamps it on the request as `RouteRequest.pool_saturated`.
+        self.pool_saturated: Callable[[], bool] | None = None
 
     def geometry_of(self, endpoint: Endpoint) -> KVGeometry:
         """The worker's KV geometry: its own report, else the router's default."""
@@ -213,6 +216,9 @@ class RoutingCore:
                     router_rank=sorted([*fresh, me]).index(me),
                     since_last_decision_s=since,
                 )
+        saturated = self.pool_saturated
+        if saturated is not None and not request.pool_saturated and saturated():
+            request = replace(request, pool_saturated=True)
         views = self.views(request, endpoints, warm)
         decision = self.policy.route(request, [v for v in views if v.endpoint.can_decode])
         if self.disaggregation is not None:

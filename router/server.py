@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import gc
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -123,6 +124,8 @@ class RouterRuntime:
             FlowConfig.from_mapping(c.flow or {}),
             saturation=SaturationDetector(SaturationConfig.from_mapping(c.saturation or {})),
         )
+        # The flow controller's own clock and signal (a test may swap the signal).
+        self.core.pool_saturated = lambda: self.flow.saturation.saturated(time.monotonic())
         self.sessions = make_session_store(c.redis_url)
         self.facts = FactsBook(geometry)
         self._discovered: list[Endpoint] = []

@@ -205,6 +205,9 @@ class RouteRequest:
     # `sessions.session_tip`: the prefix the warm worker holds unless it evicted it); 0 for a
     # request that does not continue a session.
     resumed_tokens: int = 0
+    # The flow controller's saturation signal when routing decided (`RoutingCore.decide` fills
+    # it in from `RoutingCore.pool_saturated`): policies that would move work read it.
+    pool_saturated: bool = False
     # KV geometry: `block_hashes` are in `geometry` (None: the router's default geometry);
     # `hashes_for(g)` gives the prompt's hashes in another geometry (a worker that reports its
     # own; cached per geometry), None when the prompt's tokens are not known (then a worker of

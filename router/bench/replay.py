@@ -403,6 +403,7 @@ class Replay:
                 cfg.flow_config, saturation=SaturationDetector(cfg.saturation), clock=now
             )
             flow = _FlowDriver(controller)
+            core.pool_saturated = lambda: controller.saturation.saturated(now())
         return _Replica(index, core, flow)
 
     def _connect_sync(self) -> _SyncBus:

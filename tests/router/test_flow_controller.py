@@ -115,6 +115,34 @@ def test_band_priority_order_under_saturation() -> None:
     run(main)
 
 
+def test_ungated_continuing_turns_pass_a_saturated_gate_and_lower_bands_still_wait() -> None:
+    async def main() -> None:
+        c, _, switch = make(hold_continuing=False)
+        holder = await c.admit("new", "holder", 10)
+        switch.on = True
+        waiting = asyncio.create_task(c.admit("new", "n", 10))
+        await settle()
+        turn = await asyncio.wait_for(c.admit("continuing", "s", 5000), 1.0)  # no room needed
+        assert turn.waited_s == 0.0 and not waiting.done()
+        s = c.stats()
+        assert (s.queued["new"], s.admitted["continuing"], s.in_flight) == (1, 1, 2)
+        turn.release()  # its room serves the queued new session as before
+        holder.release()
+        (await asyncio.wait_for(waiting, 1.0)).release()
+        assert c.stats().in_flight == 0
+
+        held, _, switch = make()  # the default: gated like every band
+        keep = await held.admit("new", "holder", 10)
+        switch.on = True
+        gated = asyncio.create_task(held.admit("continuing", "s", 5000))
+        await settle()
+        assert not gated.done() and held.stats().queued["continuing"] == 1
+        keep.release()
+        gated.cancel()
+
+    run(main)
+
+
 def test_least_attained_service_interleaves_tenants() -> None:
     async def main() -> None:
         c, _, switch = make()

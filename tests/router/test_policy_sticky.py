@@ -50,6 +50,43 @@ def test_rebalances_when_both_margins_exceeded() -> None:
     assert "a (warm)" in d.explain and "ttft=" in d.explain
 
 
+def test_no_move_while_the_pool_is_saturated() -> None:
+    """The same views as the rebalance above: with the flow controller's saturation signal on,
+    the session stays (unless the params turn the hold off); a new session is still placed."""
+    warm = view("a", blocks=128, window_ok=True, prefill=40000, warm=True)
+    cold, half = view("b"), view("c", blocks=64, window_ok=True, prefill=1000)
+    busy = replace(request(8192), pool_saturated=True)
+    assert policy().route(busy, [warm, cold, half]).reason == "sticky"
+    off = StickyUntilSaturated(params=PARAMS.model_copy(update={"hold_when_saturated": False}))
+    moved = off.route(busy, [warm, cold, half])
+    assert (moved.decode.id, moved.reason) == ("c", "rebalance")
+    fresh = policy().route(busy, [replace(warm, warm=False), cold, half])
+    assert fresh.decode.id == "c"  # no warm worker: placed by estimate as ever
+
+
+def test_the_core_stamps_the_pools_saturation_on_each_decision() -> None:
+    from beamserve.router.core import RoutingCore
+
+    warm = view("a", blocks=128, window_ok=True, prefill=40000, warm=True)
+    others = [view("b"), view("c", blocks=64, window_ok=True, prefill=1000)]
+    seen: list[bool] = []
+
+    class Spy(StickyUntilSaturated):
+        def route(self, request, views):  # type: ignore[no-untyped-def]
+            seen.append(request.pool_saturated)
+            return super().route(request, views)
+
+    core = RoutingCore(Spy(params=PARAMS))
+    core.views = lambda req, eps, warm_id=None: [warm, *others]  # type: ignore[method-assign]
+    eps = [v.endpoint for v in (warm, *others)]
+    state = {"saturated": False}
+    core.pool_saturated = lambda: state["saturated"]
+    assert core.decide(request(8192), eps, "a").reason == "rebalance"
+    state["saturated"] = True
+    assert core.decide(request(8192), eps, "a").reason == "sticky"
+    assert seen == [False, True]
+
+
 def test_absolute_margin_alone_does_not_leave_a_long_prefill() -> None:
     # warm 31.5 s vs other 30 s: Δ 1.5 s > 1 s but ratio 1.05 < 1.5 → sticky.
     warm = view("a", prefill=315_000, warm=True)
