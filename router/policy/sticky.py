@@ -42,8 +42,10 @@ controller's saturation signal is on (`RouteRequest.pool_saturated`, `beamserve.
 every worker's queue is long and the move only swaps queues while adding the repeated prefill,
 which every request queued after it on ``b`` waits for too. The margins see one request's two
 estimates, not that the pool has no slack for the recompute. Measured over HTTP at 64 agents
-(192 sessions, docs/bench/agentic.md "Steady state at 64 agents"): without moves the hit ratio
-was the gateways' (0.845 against 0.828) and goodput 1.08–1.11 × the same build's with moves.
+(192 sessions, docs/bench/agentic.md "Steady state at 64 agents"): without any moves the hit
+ratio was the gateways' (0.845 against 0.828) and goodput 1.08–1.11 × the same build's with
+moves; this hold alone reached 0.834, since most moves come when one worker's queue is long
+and the pool's mean is under the threshold.
 
 Why a tie window: estimates a few tens of milliseconds apart are equal within the estimator's
 noise, and several router replicas deciding a burst at the same instant on the same (synced)
