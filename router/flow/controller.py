@@ -10,15 +10,14 @@ room. Contract:
 * **Fairness within a band.** Least attained service (`fairness`): the queued item whose tenant
   (session or API key) has the least decayed service goes first; a tenant's own items go
   first-in first-out.
-* **Continuing turns can be left ungated** (`hold_continuing: false`; the default, ``true``,
-  gates them as below). A continuing turn's prefill is its new part, small beside the new
-  sessions' prompts the gate holds back; holding it in the router moves its wait out of the
-  engine, where with new sessions held it would queue behind little. Measured over HTTP at 64
-  agents (192 sessions; docs/bench/agentic.md "Steady state at 64 agents"): ungated, continuing
-  turns' TTFT p50 fell from 0.29 to 0.15 s and goodput rose 1.05 ×; not yet measured past
-  saturation (128 agents, where gating them is what the 1.5 × goodput there was measured with)
-  nor in the replicas' replay, so not the default. Ungated, they still count in the projection
-  (`admitted`) that paces the lower bands.
+* **Continuing turns are not gated** (default; `hold_continuing: true` gates them as below,
+  with the room rules and the replicas' room sharing that serve them). A continuing turn's
+  prefill is its new part, small beside the new sessions' prompts the gate holds back; holding
+  it in the router only moves its wait out of the engine, where with new sessions held it
+  queues behind little. Measured over HTTP at 64 agents (192 sessions, no moves;
+  docs/bench/agentic.md "Steady state at 64 agents"): gated, continuing turns' TTFT p50 was
+  0.26 s and goodput 10.98 r/s; ungated 0.15 s and 11.51 r/s. Ungated, they still count in the
+  projection (`admitted`) that paces the lower bands.
 * **Saturation gate.** While the `SaturationSignal` says saturated, nothing new is dispatched,
   except into room that in-flight completions free: each ticket released while saturated adds
   its `cost_tokens` to a *room* budget; the next queued item (in priority order, never
@@ -142,7 +141,7 @@ class FlowConfig(BaseModel):
     | `las_half_life_s` | ``60`` | half-life of attained service (s) |
     | `retry_after_max_s` | ``60`` | upper bound of Retry-After (s) |
     | `drain_window_s` | ``30`` | window of the drain-rate estimate (s) |
-    | `hold_continuing` | ``true`` | the saturation gate holds continuing turns too |
+    | `hold_continuing` | ``false`` | the saturation gate holds continuing turns too |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -156,7 +155,7 @@ class FlowConfig(BaseModel):
     las_half_life_s: float = Field(default=DEFAULT_HALF_LIFE_S, gt=0)
     retry_after_max_s: int = Field(default=60, ge=1)
     drain_window_s: float = Field(default=30.0, gt=0)
-    hold_continuing: bool = True
+    hold_continuing: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:

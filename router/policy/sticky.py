@@ -8,6 +8,8 @@ uncached tokens, a partial hit recomputing its window tail, over the prefill rat
     warm worker w₀ among the candidates, the pool saturated    → stay on w₀ ("sticky")
     warm worker w₀ among the candidates, best other b = argmin_{w ≠ w₀} ttft(w):
         recompute(b)  = move_cost · (uncached(b) − uncached(w₀)) / prefill_tok_s
+                        · (1 + n(b))      n(b): requests already on b (in flight, or the
+                                          scrape's running + waiting, whichever is more)
         leave w₀ for b  iff  ttft(w₀) − ttft(b) > margin_s + recompute(b)
                         AND  ttft(w₀) > margin_ratio · ttft(b)
                                                         → reason "rebalance"
@@ -33,9 +35,13 @@ relative to a long prefill (30 s vs 31.5 s). Set ``margin_ratio: 1`` for an abso
 
 Why the recompute term: ``ttft(b)`` prices the prefill the move repeats for *this* request, but
 not for the pool. The repeated tokens are work the pool would not otherwise do, and every
-request queued on ``b`` after this one waits for them too. When the whole pool is saturated a
-move swaps one long queue for another and adds that work; the saving must pay for it a second
-time (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it.
+request on ``b`` waits for them too (queued behind them, or decoding beside their chunks). When
+the whole pool is saturated a move swaps one long queue for another and adds that work; the
+saving must pay for it once more for this request and once for each request already on ``b``
+(``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it. Priced
+for this request alone, moves at 64 agents over HTTP cost hit ratio (0.828–0.834 against 0.845
+without moves) and goodput (docs/bench/agentic.md, "Steady state at 64 agents"); an idle
+``b`` (the skew the rule is for) prices it as before.
 
 Why no move while the pool is saturated (`hold_when_saturated`, on by default): when the flow
 controller's saturation signal is on (`RouteRequest.pool_saturated`, `beamserve.router.flow`),
@@ -134,11 +140,15 @@ def should_leave_warm(
     best_other_ttft_s: float,
     params: StickyParams,
     recompute_tokens: float = 0.0,
+    sharers: int = 0,
 ) -> bool:
     """True iff the warm worker is saturated relative to the best alternative: both margins,
     the absolute one raised by what the move recomputes (`recompute_tokens`, priced at
-    `move_cost` × the prefill rate)."""
-    recompute_s = params.move_cost * max(recompute_tokens, 0.0) / params.prefill_tok_s
+    `move_cost` × the prefill rate, once for this request and once for each of the `sharers`,
+    the requests already on the alternative, who wait for it or decode beside it)."""
+    recompute_s = (
+        params.move_cost * max(recompute_tokens, 0.0) / params.prefill_tok_s * (1 + max(sharers, 0))
+    )
     return (
         warm_ttft_s - best_other_ttft_s > params.margin_s + recompute_s
         and warm_ttft_s > params.margin_ratio * best_other_ttft_s
@@ -174,11 +184,13 @@ class StickyUntilSaturated:
             else:
                 best = self._cheapest(request, others, est)
                 e0, eb = est[w0.endpoint.id], est[best.endpoint.id]
+                ld = best.load
                 leave = should_leave_warm(
                     e0.seconds,
                     eb.seconds,
                     self.params,
                     recompute_tokens=eb.uncached_tokens - e0.uncached_tokens,
+                    sharers=max(ld.in_flight, ld.running + ld.queue_len),
                 )
                 chosen, reason = (best, "rebalance") if leave else (w0, "sticky")
         else:

@@ -43,6 +43,9 @@ class Switch:
 
 
 def make(**config: Any) -> tuple[FlowController, FakeClock, Switch]:
+    """A controller on a fake clock and switch; continuing turns gated like every band unless
+    `hold_continuing=False` is given (the gate's mechanics are what these tests are about)."""
+    config.setdefault("hold_continuing", True)
     clock, switch = FakeClock(), Switch()
     return FlowController(FlowConfig(**config), saturation=switch, clock=clock), clock, switch
 
@@ -131,7 +134,8 @@ def test_ungated_continuing_turns_pass_a_saturated_gate_and_lower_bands_still_wa
         (await asyncio.wait_for(waiting, 1.0)).release()
         assert c.stats().in_flight == 0
 
-        held, _, switch = make()  # the default: gated like every band
+        assert FlowConfig().hold_continuing is False  # the default: not gated
+        held, _, switch = make(hold_continuing=True)  # gated like every band
         keep = await held.admit("new", "holder", 10)
         switch.on = True
         gated = asyncio.create_task(held.admit("continuing", "s", 5000))

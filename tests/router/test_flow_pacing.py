@@ -34,7 +34,7 @@ def test_projection_counts_admitted_work_until_the_next_snapshot() -> None:
 def test_backlog_drains_one_snapshot_at_a_time() -> None:
     async def main() -> None:
         d = SaturationDetector(SaturationConfig(max_prefill_tokens=CAP))
-        c = FlowController(FlowConfig(), saturation=d)
+        c = FlowController(FlowConfig(hold_continuing=True), saturation=d)
         c.observe_pool(loads(2000))  # saturated: everything queues
         waiting = [asyncio.ensure_future(c.admit("new", f"t{i}", 600)) for i in range(4)]
         await asyncio.sleep(0)
@@ -57,7 +57,7 @@ def test_backlog_drains_one_snapshot_at_a_time() -> None:
 def test_saturated_room_goes_to_continuing_turns_only() -> None:
     async def main() -> None:
         d = SaturationDetector(SaturationConfig(max_prefill_tokens=CAP))
-        c = FlowController(FlowConfig(), saturation=d)
+        c = FlowController(FlowConfig(hold_continuing=True), saturation=d)
         running = [await c.admit("new", f"r{i}", 300) for i in range(2)]
         c.observe_pool(loads(5000))  # the pool is saturated from here on
         new = asyncio.ensure_future(c.admit("new", "n", 100))

@@ -114,7 +114,7 @@ def test_weighted_policy_with_filters_and_picker() -> None:
         (
             {"strategy": "sticky-until-saturated", "params": {"margin": 2}},
             "unknown parameter 'margin'; valid parameters: burst_gap_s, burst_window_s, "
-            "decode_interference, margin_ratio,",
+            "decode_interference, hold_when_saturated, margin_ratio,",
         ),
         (
             {"strategy": "sticky-until-saturated", "params": {"margin_ratio": 0.5}},

@@ -50,6 +50,16 @@ def test_rebalances_when_both_margins_exceeded() -> None:
     assert "a (warm)" in d.explain and "ttft=" in d.explain
 
 
+def test_a_move_pays_its_recompute_for_every_request_already_on_the_target() -> None:
+    # The rebalance above (saving 3.5 s > 1 s + 0.41 s of recompute) with requests already on
+    # c: each waits for the repeated 4,096 tokens, so 3 of them price it at 1.64 s (still
+    # leaves) and 8 at 3.69 s (stays).
+    warm = view("a", blocks=128, window_ok=True, prefill=40000, warm=True)
+    for n, reason in ((3, "rebalance"), (8, "sticky")):
+        busy = view("c", blocks=64, window_ok=True, prefill=1000, queue_len=n)
+        assert policy().route(request(8192), [warm, view("b"), busy]).reason == reason, n
+
+
 def test_no_move_while_the_pool_is_saturated() -> None:
     """The same views as the rebalance above: with the flow controller's saturation signal on,
     the session stays (unless the params turn the hold off); a new session is still placed."""

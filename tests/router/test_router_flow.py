@@ -82,7 +82,7 @@ def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
     spawn_worker: SpawnWorker,
 ) -> None:
     w = spawn_worker("--engine", "sim")
-    rt = runtime([w.url], flow={"max_queued": 3})
+    rt = runtime([w.url], flow={"max_queued": 3, "hold_continuing": True})
     gate = Gate()
     rt.flow.saturation = gate
     order: list[str] = []
