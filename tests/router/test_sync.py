@@ -481,7 +481,8 @@ def flow_replica(bus: Bus, name: str) -> tuple[ReplicaSync, FlowController, Swit
     """A replica whose flow controller is wired to its sync as `RouterRuntime` wires it."""
     sync, _core = bus.add(name)
     switch = Switch()
-    flow = FlowController(FlowConfig(hold_continuing=True), saturation=switch, clock=lambda: bus.now)
+    held = FlowConfig(hold_continuing=True)  # the room rules serve gated continuing turns
+    flow = FlowController(held, saturation=switch, clock=lambda: bus.now)
     flow.on_spare_room = sync.offer_room
     flow.on_continuing_queued = sync.queue_changed
     sync.on_grant = flow.grant_room
@@ -610,7 +611,8 @@ def attached_replica(bus: Bus, name: str, signal: object) -> tuple[ReplicaSync, 
     """A replica whose flow controller is wired through `ReplicaSync.attach_flow`, as
     `RouterRuntime` and the replay wire it."""
     sync, _core = bus.add(name)
-    flow = FlowController(FlowConfig(hold_continuing=True), saturation=signal, clock=lambda: bus.now)  # type: ignore[arg-type]
+    held = FlowConfig(hold_continuing=True)  # the room rules serve gated continuing turns
+    flow = FlowController(held, saturation=signal, clock=lambda: bus.now)  # type: ignore[arg-type]
     sync.attach_flow(flow)
     return sync, flow
 
