@@ -342,6 +342,9 @@ class FlowControlSpec(_Model):
     las_half_life_seconds: Annotated[float, Field(gt=0)] = 60.0
     retry_after_max_seconds: Annotated[int, Field(ge=1)] = 60
     drain_window_seconds: Annotated[float, Field(gt=0)] = 30.0
+    hold_continuing: bool = False
+    """True: the saturation gate holds continuing turns too (default: only new and sheddable
+    work waits; docs/policies.md, "Continuing turns are not gated")."""
 
 
 class SaturationSpec(_Model):

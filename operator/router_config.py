@@ -82,6 +82,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "las_half_life_s": config.flow_control.las_half_life_seconds,
             "retry_after_max_s": config.flow_control.retry_after_max_seconds,
             "drain_window_s": config.flow_control.drain_window_seconds,
+            "hold_continuing": config.flow_control.hold_continuing,
         },
         "saturation": {
             "max_prefill_tokens": config.saturation.max_prefill_tokens,

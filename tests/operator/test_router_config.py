@@ -78,6 +78,10 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     FlowConfig.from_mapping(flags["flow"])
     SaturationConfig.from_mapping(flags["saturation"])
     ConditionalDisaggregation.from_params(flags["disaggregation"])
+    assert FlowConfig.from_mapping(flags["flow"]).hold_continuing is False  # the default
+    held = {**CONFIG, "flowControl": {"holdContinuing": True}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(held))["flow"])
+    assert flow.hold_continuing is True
     build_policy(flags["policy"])
 
 
