@@ -40,8 +40,9 @@ the whole pool is saturated a move swaps one long queue for another and adds tha
 saving must pay for it once more for this request and once for each request already on ``b``
 (``move_cost: 1``) before the session leaves. ``move_cost: 0`` is the rule without it. Priced
 for this request alone, moves at 64 agents over HTTP cost hit ratio (0.828–0.834 against 0.845
-without moves) and goodput (docs/bench/agentic.md, "Steady state at 64 agents"); an idle
-``b`` (the skew the rule is for) prices it as before.
+without moves) and goodput (docs/bench/agentic.md, "Steady state at 64 agents"); priced for
+the requests on ``b`` as well, the same run shape gave 0.844 (the gateways': 0.842–0.845). An
+idle ``b`` (the skew the rule is for) prices it as before.
 
 Why no move while the pool is saturated (`hold_when_saturated`, on by default): when the flow
 controller's saturation signal is on (`RouteRequest.pool_saturated`, `beamserve.router.flow`),
