@@ -14,10 +14,12 @@ room. Contract:
   with the room rules and the replicas' room sharing that serve them). A continuing turn's
   prefill is its new part, small beside the new sessions' prompts the gate holds back; holding
   it in the router only moves its wait out of the engine, where with new sessions held it
-  queues behind little. Measured over HTTP at 64 agents (192 sessions, no moves;
-  docs/bench/agentic.md "Steady state at 64 agents"): gated, continuing turns' TTFT p50 was
-  0.26 s and goodput 10.98 r/s; ungated 0.15 s and 11.51 r/s. Ungated, they still count in the
-  projection (`admitted`) that paces the lower bands.
+  queues behind little. Measured over HTTP at 64 agents (192 sessions; docs/bench/agentic.md
+  "Steady state at 64 agents"), two separate runs with moves off: gated, continuing turns' TTFT
+  p50 was 0.26 s and goodput 10.98 r/s; ungated 0.15 s and 11.51 r/s. In one run beside the
+  gateways this tree's defaults gave continuing turns 0.164 s against the morning's build's
+  0.474 s (the gateways' 0.137–0.142 s). Ungated, they still count in the projection
+  (`admitted`) that paces the lower bands.
 * **Saturation gate.** While the `SaturationSignal` says saturated, nothing new is dispatched,
   except into room that in-flight completions free: each ticket released while saturated adds
   its `cost_tokens` to a *room* budget; the next queued item (in priority order, never
