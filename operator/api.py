@@ -352,6 +352,10 @@ class SaturationSpec(_Model):
     max_queue_len: Annotated[float, Field(gt=0)] = 5.0
     max_kv_usage: Annotated[float, Field(gt=0)] = 0.8
     stale_after_seconds: Annotated[float, Field(ge=0)] = 2.0
+    max_decode_itl_seconds: Annotated[float, Field(gt=0)] | None = 0.05
+    """Decode seconds per output token, as the router times its users' streams, at which a
+    worker counts as full, so new sessions wait (0.05: 20 tokens/s per user); null: off
+    (docs/policies.md, "Saturation gate")."""
 
 
 RouterPolicyName = Literal[

@@ -89,6 +89,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "max_queue_len": config.saturation.max_queue_len,
             "max_kv_usage": config.saturation.max_kv_usage,
             "stale_after_s": config.saturation.stale_after_seconds,
+            "max_decode_itl_s": config.saturation.max_decode_itl_seconds,
         },
         "max_body_bytes": config.max_body_bytes,
         "scrape_interval_s": config.scrape_interval_seconds,

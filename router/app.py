@@ -497,8 +497,8 @@ class Router:
             )
         return out
 
-    async def _finish(self, d: Dispatch, out_tokens: int) -> None:
-        binding = self.core.finish(d, out_tokens)
+    async def _finish(self, d: Dispatch, out_tokens: int, *, streamed: bool = True) -> None:
+        binding = self.core.finish(d, out_tokens, streamed=streamed)
         if binding is not None:
             await self.sessions.bind(
                 binding.session_id,
@@ -514,7 +514,7 @@ class Router:
         self.core.first_token(dispatch)
         upstream.pop("kv_transfer_params", None)
         usage = upstream.get("usage") or {}
-        await self._finish(dispatch, int(usage.get("completion_tokens", 0)))
+        await self._finish(dispatch, int(usage.get("completion_tokens", 0)), streamed=False)
         model = parsed.model or self.settings.served_models[0]
         if api == "messages":
             body = to_anthropic_message(upstream, model=model, stop_sequences=call.stop_sequences)

@@ -90,6 +90,7 @@ class Dispatch:
     flight: Flight | None = None
     attempts: int = 0
     excluded: set[str] = field(default_factory=set)
+    first_token_at: float | None = None
 
     @property
     def closed(self) -> bool:
@@ -253,6 +254,7 @@ class RoutingCore:
         if d.phase == "dispatched" and d.flight is not None:
             self.loads.first_token(d.flight)
             d.phase = "streaming"
+            d.first_token_at = self.clock()
 
     def _release_flight(self, d: Dispatch) -> None:
         if d.flight is not None:
@@ -272,9 +274,14 @@ class RoutingCore:
         d.decision = None
         d.phase = "admitted"
 
-    def finish(self, d: Dispatch, output_tokens: int = 0) -> SessionBinding | None:
-        """Success: release load and ticket, close the decode worker's breaker; returns the
-        session binding to record (None: no session, or already closed)."""
+    def finish(
+        self, d: Dispatch, output_tokens: int = 0, *, streamed: bool = True
+    ) -> SessionBinding | None:
+        """Success: release load and ticket, close the decode worker's breaker, record the
+        decode pace (seconds per token after the first, `LoadBook.decoded`) when it streamed
+        two or more tokens (`streamed=False`: the answer came whole, its tokens' times are
+        unknown); returns the session binding to record (None: no session, or
+        already closed)."""
         if d.closed:
             return None
         decision = d.decision
@@ -282,6 +289,11 @@ class RoutingCore:
         if decision is None:
             return None
         self.loads.succeeded(decision.decode.id)
+        if streamed and d.first_token_at is not None and output_tokens >= 2:
+            now = self.clock()
+            if now > d.first_token_at:
+                pace = (now - d.first_token_at) / (output_tokens - 1)
+                self.loads.decoded(decision.decode.id, pace, now)
         r = d.request
         if not r.session_id:
             return None

@@ -105,6 +105,23 @@ first token arrives, so the foreign part looks smaller by what had been computed
 | `rest_min_s` / `rest_max_s` | ``1.0`` / ``120.0`` | clamps of the rest window (s) |
 | `rest_initial_s` | ``30.0`` | rest window before any gap was seen (s) |
 | `rest_gap_weight` | ``0.05`` | EWMA weight of one gap in the mean |
+| `itl_weight` | ``0.05`` | EWMA weight of one finished request in a worker's decode pace |
+
+Decode pace (`LoadBook.decoded`). For each streamed request that ends with two or more output
+tokens, the router knows how long its decode took on its decode worker: from the first output
+chunk to the end, over the tokens after the first. The book keeps a running geometric mean of
+that seconds-per-token per worker (an EWMA of its logarithm, weight `itl_weight`) and reports it
+as
+`WorkerLoad.decode_itl_s` while it is recent (a request finished there within `stale_after_s`)
+and the worker still decodes requests of this replica; otherwise None — a pace measured on work
+that has left says nothing about the next request. It is what the engine's batch size and the
+prefill chunks beside the decodes cost each user now, measured where the user sees it, on any
+engine and without a scrape; the saturation detector can gate new sessions on it
+(`SaturationConfig.max_decode_itl_s`). The book also keeps the same mean over the requests that
+finished with nothing else of this replica decoding on the worker (`decode_itl_alone_s`): what
+the engine manages without company. An engine too slow for the limit even alone (a CPU
+reference engine, a large model on few GPUs) is one whose pace a limit cannot steer: holding
+new sessions there would only serialise them, so the detector leaves such a worker's pace out.
 
 Resting sessions (`LoadBook.rest` / `wake`). An agent's session is a chain of turns with a
 think time (a tool call, the user) between them: between turns it is in flight nowhere, yet its
@@ -129,6 +146,7 @@ checks (`/health`) feed the same breaker.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -276,6 +294,7 @@ class LoadParams:
     rest_max_s: float = 120.0
     rest_initial_s: float = 30.0
     rest_gap_weight: float = 0.05
+    itl_weight: float = 0.05
 
 
 @dataclass
@@ -300,6 +319,11 @@ class _Worker:
     served: int = 0
     resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
     resting: int = 0
+    decode_itl_s: float | None = None  # running mean of finished requests' s/token (`decoded`)
+    decode_itl_alone_s: float | None = None  # … of those that decoded with no company here
+    log_itl: float | None = None  # the running means, kept as logarithms (geometric means)
+    log_itl_alone: float | None = None
+    decoded_at: float = float("-inf")
 
 
 _IDLE = WorkerLoad()  # a worker the book has never seen: no load, never scraped, healthy
@@ -548,6 +572,31 @@ class LoadBook:
         ratio = min(max(self._engine_requests / self._own_requests, 1.0), p.replicas_max)
         self.replicas += p.replicas_weight * (ratio - self.replicas)
 
+    # --- decode pace ---------------------------------------------------------------------------
+    def decoded(self, worker: str, itl_s: float, now: float | None = None) -> None:
+        """A request decoded on `worker` at `itl_s` seconds per output token (module
+        docstring, "Decode pace"), after its flight was released. Values that are not finite
+        and positive are ignored."""
+        if not (itl_s > 0.0 and math.isfinite(itl_s)):
+            return
+        w = self._w(worker)
+        a, x = self.params.itl_weight, math.log(itl_s)
+        prev = w.log_itl
+        w.log_itl = x if prev is None else prev + a * (x - prev)
+        w.decode_itl_s = math.exp(w.log_itl)
+        w.decoded_at = self.clock() if now is None else now
+        if w.decoding <= 0:  # (its own flight already released) nothing else of ours decodes
+            alone = w.log_itl_alone
+            w.log_itl_alone = x if alone is None else alone + a * (x - alone)
+            w.decode_itl_alone_s = math.exp(w.log_itl_alone)
+
+    def _pace(self, w: _Worker, now: float) -> float | None:
+        if w.decode_itl_s is None or w.decoding <= 0:
+            return None
+        if now - w.decoded_at > self.params.stale_after_s:
+            return None
+        return w.decode_itl_s
+
     # --- health ----------------------------------------------------------------------------------
     def succeeded(self, worker: str) -> None:
         w = self._w(worker)
@@ -624,6 +673,8 @@ class LoadBook:
             max(peer.prefill_tokens, 0) + eff.foreign_prefill_tokens,
             max(peer.decode_tokens, 0) + eff.foreign_decode_tokens,
             w.resting_tokens if w.resting_tokens > 0 else 0,
+            self._pace(w, now) if w.decode_itl_s is not None else None,
+            w.decode_itl_alone_s,
         )
 
     def served(self, worker: str) -> int:

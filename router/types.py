@@ -148,6 +148,10 @@ class WorkerLoad:
     `resting_tokens`: context of the sessions resting here — their last turn ended on this
     worker less than the rest window ago and their next has not arrived (`LoadBook.rest`):
     decodes that will be back within a think time.
+    `decode_itl_s`: seconds per output token of the requests that recently finished decoding
+    here, as this replica timed them (`LoadBook.decoded`); None when there is no recent one or
+    nothing of this replica decodes here now. `decode_itl_alone_s`: the same, of the requests
+    that decoded with nothing else of this replica here (None: none yet).
     """
 
     prefill_tokens: int = 0
@@ -161,6 +165,8 @@ class WorkerLoad:
     foreign_prefill_tokens: int = 0
     foreign_decode_tokens: int = 0
     resting_tokens: int = 0
+    decode_itl_s: float | None = None
+    decode_itl_alone_s: float | None = None
 
     @property
     def effective_prefill_tokens(self) -> int:

@@ -70,7 +70,7 @@ Each plugin is a small unit with its formula, its intent, the data it reads and 
 | the policy | `spec.router.policy` (a preset) or `spec.router.policyConfig` (a full configuration, below) | `--policy NAME\\|JSON` |
 | P/D decider | `spec.router.disaggregation` (`enabled`, `minUncachedTokens`, `maxCachedRatio`) | `--disaggregation JSON` |
 | flow control | `spec.router.flowControl` (`maxQueued`, `ttlSeconds` → `ttl_s`, `lasHalfLifeSeconds` → `las_half_life_s`, `retryAfterMaxSeconds`, `drainWindowSeconds`) | `--flow JSON` |
-| saturation gate | `spec.router.saturation` (`maxPrefillTokens`, `maxQueueLen`, `maxKvUsage`, `staleAfterSeconds`) | `--saturation JSON` |
+| saturation gate | `spec.router.saturation` (`maxPrefillTokens`, `maxQueueLen`, `maxKvUsage`, `staleAfterSeconds`, `maxDecodeItlSeconds`) | `--saturation JSON` |
 
 The sections below are the modules' own documentation (`router/flow/*.py`,
 `router/policy/*.py`); [router.md](router.md) shows how they sit on the request path, and
