@@ -110,11 +110,11 @@ first token arrives, so the foreign part looks smaller by what had been computed
 Decode pace (`LoadBook.decoded`). For each streamed request that ends with two or more output
 tokens, the router knows how long its decode took on its decode worker: from the first output
 chunk to the end, over the tokens after the first. The book keeps a running geometric mean of
-that seconds-per-token per worker (an EWMA of its logarithm, weight `itl_weight`) and reports it
-as
-`WorkerLoad.decode_itl_s` while it is recent (a request finished there within `stale_after_s`)
-and the worker still decodes requests of this replica; otherwise None — a pace measured on work
-that has left says nothing about the next request. It is what the engine's batch size and the
+that seconds-per-token per worker (an EWMA of its logarithm, weight `itl_weight`: one stall
+moves it by a factor, not by its size) and reports it as `WorkerLoad.decode_itl_s` while it is
+recent (a request finished there within `stale_after_s`) and the worker still decodes requests
+of this replica; otherwise None — a pace measured on work that has left says nothing about the
+next request. It is what the engine's batch size and the
 prefill chunks beside the decodes cost each user now, measured where the user sees it, on any
 engine and without a scrape; the saturation detector can gate new sessions on it
 (`SaturationConfig.max_decode_itl_s`). The book also keeps the same mean over the requests that
@@ -319,9 +319,9 @@ class _Worker:
     served: int = 0
     resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
     resting: int = 0
-    decode_itl_s: float | None = None  # running mean of finished requests' s/token (`decoded`)
-    decode_itl_alone_s: float | None = None  # … of those that decoded with no company here
-    log_itl: float | None = None  # the running means, kept as logarithms (geometric means)
+    # log of the running geometric mean of finished requests' s/token (`decoded`), and of
+    # those that decoded with no company here
+    log_itl: float | None = None
     log_itl_alone: float | None = None
     decoded_at: float = float("-inf")
 
@@ -583,19 +583,17 @@ class LoadBook:
         a, x = self.params.itl_weight, math.log(itl_s)
         prev = w.log_itl
         w.log_itl = x if prev is None else prev + a * (x - prev)
-        w.decode_itl_s = math.exp(w.log_itl)
         w.decoded_at = self.clock() if now is None else now
         if w.decoding <= 0:  # (its own flight already released) nothing else of ours decodes
             alone = w.log_itl_alone
             w.log_itl_alone = x if alone is None else alone + a * (x - alone)
-            w.decode_itl_alone_s = math.exp(w.log_itl_alone)
 
     def _pace(self, w: _Worker, now: float) -> float | None:
-        if w.decode_itl_s is None or w.decoding <= 0:
+        if w.log_itl is None or w.decoding <= 0:
             return None
         if now - w.decoded_at > self.params.stale_after_s:
             return None
-        return w.decode_itl_s
+        return math.exp(w.log_itl)
 
     # --- health ----------------------------------------------------------------------------------
     def succeeded(self, worker: str) -> None:
@@ -673,8 +671,8 @@ class LoadBook:
             max(peer.prefill_tokens, 0) + eff.foreign_prefill_tokens,
             max(peer.decode_tokens, 0) + eff.foreign_decode_tokens,
             w.resting_tokens if w.resting_tokens > 0 else 0,
-            self._pace(w, now) if w.decode_itl_s is not None else None,
-            w.decode_itl_alone_s,
+            self._pace(w, now) if w.log_itl is not None else None,
+            None if w.log_itl_alone is None else math.exp(w.log_itl_alone),
         )
 
     def served(self, worker: str) -> int:
