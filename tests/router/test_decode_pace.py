@@ -45,17 +45,18 @@ def geo(prev: float, new: float, weight: float = LoadParams().itl_weight) -> flo
     return math.exp(math.log(prev) + weight * (math.log(new) - math.log(prev)))
 
 
-def stream(core: RoutingCore, clock: Clock, i: int, tokens: int, decode_s: float, **kw: bool):
+def stream(
+    core: RoutingCore, clock: Clock, i: int, tokens: int, decode_s: float, **kw: bool
+) -> None:
     d = core.open(RouteRequest(f"r{i}", prompt_tokens=100, max_tokens=64))
     core.route(d, WORKERS)
     clock.t += 0.05  # prefill
     core.first_token(d)
     clock.t += decode_s
     core.finish(d, tokens, **kw)
-    return d
 
 
-def keep_decoding(core: RoutingCore, clock: Clock) -> None:
+def keep_decoding(core: RoutingCore) -> None:
     """One request left decoding on w0, so its pace is reported."""
     d = core.open(RouteRequest("long", prompt_tokens=100, max_tokens=64))
     core.route(d, WORKERS)
@@ -65,7 +66,7 @@ def keep_decoding(core: RoutingCore, clock: Clock) -> None:
 def test_finish_times_the_decode_after_the_first_token() -> None:
     clock = Clock()
     core = core_on(clock)
-    keep_decoding(core, clock)
+    keep_decoding(core)
     assert core.loads.load("w0").decode_itl_s is None  # nothing finished yet
     stream(core, clock, 1, tokens=11, decode_s=0.5)  # 10 tokens after the first in 0.5 s
     assert core.loads.load("w0").decode_itl_s == pytest.approx(0.05)
@@ -77,7 +78,7 @@ def test_finish_times_the_decode_after_the_first_token() -> None:
 def test_what_carries_no_pace_is_not_counted() -> None:
     clock = Clock()
     core = core_on(clock)
-    keep_decoding(core, clock)
+    keep_decoding(core)
     stream(core, clock, 1, tokens=1, decode_s=0.5)  # one token: no interval
     stream(core, clock, 2, tokens=50, decode_s=0.0)  # no time passed
     stream(core, clock, 3, tokens=50, decode_s=0.5, streamed=False)  # a whole answer
