@@ -875,6 +875,16 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 f"only for type redis (type is {s.type}); remove it or set type redis",
             )
         )
+    f = r.flow_control
+    if f.lifo_after_seconds is not None and f.lifo_after_seconds >= f.lifo_max_wait_seconds:
+        out.append(
+            Violation(
+                "spec.router.flowControl.lifoAfterSeconds",
+                f"{f.lifo_after_seconds:g} is not below lifoMaxWaitSeconds "
+                f"({f.lifo_max_wait_seconds:g}); lower it, raise lifoMaxWaitSeconds, or set it "
+                "null to turn adaptive LIFO off",
+            )
+        )
     if r.grpc_port is not None and r.grpc_port == r.port:
         out.append(
             Violation(

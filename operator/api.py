@@ -345,6 +345,13 @@ class FlowControlSpec(_Model):
     hold_continuing: bool = False
     """True: the saturation gate holds continuing turns too (default: only new and sheddable
     work waits; docs/policies.md, "Continuing turns are not gated")."""
+    lifo_after_seconds: Annotated[float, Field(ge=0)] | None = 2.0
+    """Once the oldest waiting new session has waited this long, new sessions are served newest
+    first (adaptive LIFO), so those that can still get a quick first token do; null: always
+    oldest first (docs/policies.md, "Adaptive LIFO in the lower bands")."""
+    lifo_max_wait_seconds: Annotated[float, Field(gt=0)] = 30.0
+    """Under adaptive LIFO, requests that waited this long (at most half of ttlSeconds) are
+    served first again, so none expires; must be above lifoAfterSeconds."""
 
 
 class SaturationSpec(_Model):

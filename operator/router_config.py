@@ -83,6 +83,8 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "retry_after_max_s": config.flow_control.retry_after_max_seconds,
             "drain_window_s": config.flow_control.drain_window_seconds,
             "hold_continuing": config.flow_control.hold_continuing,
+            "lifo_after_s": config.flow_control.lifo_after_seconds,
+            "lifo_max_wait_s": config.flow_control.lifo_max_wait_seconds,
         },
         "saturation": {
             "max_prefill_tokens": config.saturation.max_prefill_tokens,

@@ -9,7 +9,18 @@ room. Contract:
   band is never dispatched while a higher band has queued items.
 * **Fairness within a band.** Least attained service (`fairness`): the queued item whose tenant
   (session or API key) has the least decayed service goes first; a tenant's own items go
-  first-in first-out.
+  first-in first-out, except in a congested band (next point).
+* **Adaptive LIFO in the lower bands.** While the oldest queued item of ``new`` or
+  ``sheddable`` has waited at least `lifo_after_s` (default 2 s, the TTFT bound of the goodput
+  SLO the benchmarks use) the band is congested, and it goes newest first: among the tenants of
+  least attained service the one whose newest item is newest, and that item. Under a standing
+  backlog first-in first-out makes every request wait the whole backlog, so none is served in
+  time; newest first serves the requests that still can be, and the ones that already waited
+  longest — already late — wait on. Once the oldest item has waited `lifo_max_wait_s` (30 s;
+  at most half the band's TTL) the band goes oldest first again until it has none that old, so
+  no request expires while the gate still moves. The order changes, not how much is admitted.
+  ``continuing`` turns stay first-in first-out (a session's turns come one at a time, and they
+  are not held by default). Measured: docs/bench/agentic.md, "Adaptive LIFO".
 * **Continuing turns are not gated** (default; `hold_continuing: true` gates them as below,
   with the room rules and the replicas' room sharing that serve them). A continuing turn's
   prefill is its new part, small beside the new sessions' prompts the gate holds back; holding
@@ -144,6 +155,8 @@ class FlowConfig(BaseModel):
     | `retry_after_max_s` | ``60`` | upper bound of Retry-After (s) |
     | `drain_window_s` | ``30`` | window of the drain-rate estimate (s) |
     | `hold_continuing` | ``false`` | the saturation gate holds continuing turns too |
+    | `lifo_after_s` | ``2`` | oldest item waited this long: newest first from then (null: off) |
+    | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -158,10 +171,19 @@ class FlowConfig(BaseModel):
     retry_after_max_s: int = Field(default=60, ge=1)
     drain_window_s: float = Field(default=30.0, gt=0)
     hold_continuing: bool = False
+    lifo_after_s: float | None = Field(default=2.0, ge=0)
+    lifo_max_wait_s: float = Field(default=30.0, gt=0)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
-        return parse_strict(cls, values, "flow")
+        config = parse_strict(cls, values, "flow")
+        after = config.lifo_after_s
+        if after is not None and after >= config.lifo_max_wait_s:
+            raise FlowConfigError(
+                f"flow: 'lifo_after_s' ({after:g}) must be below 'lifo_max_wait_s' "
+                f"({config.lifo_max_wait_s:g}): raise the one or lower the other"
+            )
+        return config
 
     def band_limit(self, band: Band) -> int:
         return self.band_max_queued.get(band, self.max_queued)
@@ -403,7 +425,10 @@ class FlowController:
     def _drop(self, item: _Item, state: str) -> None:
         """Take a queued item out of its queue (its deadline entry is skipped lazily)."""
         queue = self._queues[item.band][item.tenant]
-        queue.remove(item)
+        if queue[-1] is item:  # the newest: taken by adaptive LIFO, evicted
+            queue.pop()
+        else:
+            queue.remove(item)
         if not queue:
             del self._queues[item.band][item.tenant]
         self._queued[item.band] -= 1
@@ -427,12 +452,27 @@ class FlowController:
         return None
 
     def _next_in(self, band: Band, now: float) -> _Item | None:
-        """The item of `band` that goes first (None: none queued)."""
+        """The item of `band` that goes first (None: none queued): the least-attained-service
+        tenant's oldest item, or in a congested band (`_lifo`) its newest."""
         tenants = self._queues[band]
         if not tenants:
             return None
+        if self._lifo(band, now):
+            tenant = min(tenants, key=lambda t: (self._service.value(t, now), -tenants[t][-1].seq))
+            return tenants[tenant][-1]
         tenant = min(tenants, key=lambda t: (self._service.value(t, now), tenants[t][0].seq))
         return tenants[tenant][0]
+
+    def _lifo(self, band: Band, now: float) -> bool:
+        """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest
+        item has waited at least `lifo_after_s` but less than `lifo_max_wait_s` (or half the
+        band's TTL, when that is less)."""
+        after = self.config.lifo_after_s
+        if after is None or band == "continuing":
+            return False
+        oldest = min(q[0].enqueued_at for q in self._queues[band].values())
+        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        return after <= now - oldest < rescue
 
     # --- dispatch --------------------------------------------------------------------------------
 

@@ -180,6 +180,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      decode={"tp": 8, "attentionDp": 4, "ports": {"kvReplay": 65534}}),
      "spec.decode.ports.kvReplay"),
     ("router grpc = http", S.disagg(router={"grpcPort": 8080}), "spec.router.grpcPort"),
+    ("LIFO after its own rescue", S.disagg(router={"flowControl": {"lifoAfterSeconds": 40}}),
+     "spec.router.flowControl.lifoAfterSeconds"),
     # Kubernetes passthroughs
     ("toleration unknown field", S.disagg(decode={"tolerations": [{"kee": "a"}]}),
      "spec.decode.tolerations[0].kee"),

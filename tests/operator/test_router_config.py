@@ -82,6 +82,10 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     held = {**CONFIG, "flowControl": {"holdContinuing": True}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(held))["flow"])
     assert flow.hold_continuing is True
+    lifo = {**CONFIG, "flowControl": {"lifoAfterSeconds": None, "lifoMaxWaitSeconds": 20}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lifo))["flow"])
+    assert (flow.lifo_after_s, flow.lifo_max_wait_s) == (None, 20)
+    assert FlowConfig.from_mapping(flags["flow"]).lifo_after_s == 2.0  # the default
     build_policy(flags["policy"])
 
 

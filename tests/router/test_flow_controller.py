@@ -4,6 +4,7 @@ the saturation gate — asyncio with a fake clock and a switchable saturation si
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -511,5 +512,163 @@ def test_accounting_invariant_and_no_leaks(
         s = c.stats()
         assert s.in_flight == 0 and s.in_flight_tokens == 0 and sum(s.queued.values()) == 0
         c.close()
+
+    run(main)
+
+
+# --- adaptive LIFO in the lower bands ------------------------------------------------------------
+
+
+async def _drain_one_by_one(
+    c: FlowController,
+    clock: FakeClock,
+    switch: Switch,
+    arrivals: list[tuple[Band, str, float]],
+    steps: list[float],
+) -> list[int]:
+    """Hold one ticket, saturate, queue one item per `arrivals` entry (band, tenant, seconds
+    after the previous arrival; cost 10), then per step: advance the clock, release the ticket
+    last dispatched (its room lets exactly one more through). The arrival indexes in dispatch
+    order."""
+    current = await c.admit("new", "holder", 10)
+    switch.on = True
+    tasks: list[asyncio.Task[Ticket]] = []
+    for band, tenant, gap in arrivals:
+        clock.advance(gap)
+        tasks.append(asyncio.create_task(c.admit(band, tenant, 10)))
+        await settle()
+    order: list[int] = []
+    for i in range(len(arrivals)):
+        clock.advance(steps[i % len(steps)])
+        current.release()
+        await settle()
+        done = [j for j, t in enumerate(tasks) if t.done() and j not in order]
+        assert len(done) == 1, (order, done)
+        order.append(done[0])
+        current = tasks[done[0]].result()
+    current.release()
+    return order
+
+
+def test_congested_new_band_goes_newest_first() -> None:
+    async def main() -> None:
+        # one tenant (an anonymous harness): 5 new sessions 0.4 s apart
+        c, clock, switch = make()
+        arrivals: list[tuple[Band, str, float]] = [("new", "anon", 0.4)] * 5
+        # drained at once: the oldest has waited 1.6 s, less than lifo_after_s → oldest first
+        assert await _drain_one_by_one(c, clock, switch, arrivals, [0.0]) == [0, 1, 2, 3, 4]
+
+        c, clock, switch = make()
+        # the oldest waited 2.1 s when the drain starts: congested, newest first
+        order = await _drain_one_by_one(c, clock, switch, arrivals, [0.5, 0.0, 0.0, 0.0])
+        assert order == [4, 3, 2, 1, 0]
+
+        c, clock, switch = make(lifo_after_s=None)  # off: first-in first-out as before
+        assert await _drain_one_by_one(c, clock, switch, arrivals, [5.0]) == [0, 1, 2, 3, 4]
+
+    run(main)
+
+
+def test_lifo_serves_the_oldest_again_before_they_expire() -> None:
+    async def main() -> None:
+        c, clock, switch = make(lifo_after_s=2.0, lifo_max_wait_s=30.0)
+        arrivals: list[tuple[Band, str, float]] = [
+            ("new", "anon", 0.0),
+            ("new", "anon", 1.0),
+            ("new", "anon", 25.0),  # 25 s after the first two
+            ("new", "anon", 1.0),
+        ]
+        # first release at +5 s: the oldest waited 32 s ≥ 30 → the two old ones go first, then
+        # the rest (waited 6 and 5 s) newest first
+        order = await _drain_one_by_one(c, clock, switch, arrivals, [5.0, 0.0, 0.0, 0.0])
+        assert order == [0, 1, 3, 2]
+        assert c.stats().shed_in("new") == 0
+
+        # a TTL shorter than twice lifo_max_wait_s: its half is the bound (here 5 s)
+        c, clock, switch = make(band_ttl_s={"new": 10.0})
+        arrivals = [("new", "anon", 0.0), ("new", "anon", 3.0), ("new", "anon", 0.5)]
+        assert await _drain_one_by_one(c, clock, switch, arrivals, [2.5, 0.0]) == [0, 2, 1]
+        assert c.stats().shed_in("new") == 0
+
+    run(main)
+
+
+def test_continuing_turns_stay_first_in_first_out_and_go_before_lifo() -> None:
+    async def main() -> None:
+        c, clock, switch = make()  # continuing turns held too (make's default)
+        arrivals: list[tuple[Band, str, float]] = [
+            ("continuing", "anon", 0.0),
+            ("new", "anon", 0.5),
+            ("continuing", "anon", 0.5),
+            ("new", "anon", 0.5),
+            ("sheddable", "anon", 0.5),
+            ("sheddable", "anon", 0.5),
+        ]
+        order = await _drain_one_by_one(c, clock, switch, arrivals, [3.0, 0.0])
+        assert order == [0, 2, 3, 1, 5, 4]
+
+    run(main)
+
+
+def test_lifo_picks_among_the_least_served_tenants() -> None:
+    async def main() -> None:
+        c, clock, switch = make()
+        (await c.admit("new", "heavy", 10)).release(50_000)
+        arrivals: list[tuple[Band, str, float]] = [
+            ("new", "light", 0.0),
+            ("new", "light", 0.5),
+            ("new", "heavy", 0.5),  # the newest, but its tenant has attained the most
+        ]
+        order = await _drain_one_by_one(c, clock, switch, arrivals, [3.0, 0.0, 0.0])
+        assert order == [1, 0, 2]
+
+    run(main)
+
+
+def test_lifo_config_errors_name_both_keys() -> None:
+    with pytest.raises(FlowConfigError, match=r"'lifo_after_s' .* below 'lifo_max_wait_s'"):
+        FlowConfig.from_mapping({"lifo_after_s": 30, "lifo_max_wait_s": 30})
+    with pytest.raises(FlowConfigError, match="'lifo_max_wait_s'"):
+        FlowConfig.from_mapping({"lifo_max_wait_s": 0})
+    assert FlowConfig.from_mapping({"lifo_after_s": None}).lifo_after_s is None
+
+
+def _lifo_reference(
+    enqueued: list[float], dispatch_at: list[float], after: float, max_wait: float
+) -> list[int]:
+    """The order the module docstring gives, for one tenant of one lower band."""
+    left = list(range(len(enqueued)))
+    order: list[int] = []
+    for now in dispatch_at:
+        waited = now - enqueued[left[0]]
+        pick = left[-1] if after <= waited < max_wait else left[0]
+        order.append(pick)
+        left.remove(pick)
+    return order
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.floats(0.0, 12.0), min_size=1, max_size=8),
+    st.lists(st.floats(0.0, 12.0), min_size=1, max_size=8),
+    st.floats(0.5, 5.0),
+    st.floats(6.0, 30.0),
+)
+def test_lifo_order_matches_the_reference(
+    gaps: list[float], steps: list[float], after: float, max_wait: float
+) -> None:
+    async def main() -> None:
+        c, clock, switch = make(lifo_after_s=after, lifo_max_wait_s=max_wait, ttl_s=1e6)
+        start = clock.t
+        enqueued = list(itertools.accumulate(gaps, initial=start))[1:]
+        last = enqueued[-1]
+        dispatch_at = list(
+            itertools.accumulate((steps[i % len(steps)] for i in range(len(gaps))), initial=last)
+        )[1:]
+        arrivals: list[tuple[Band, str, float]] = [("new", "anon", g) for g in gaps]
+        order = await _drain_one_by_one(c, clock, switch, arrivals, steps)
+        assert order == _lifo_reference(enqueued, dispatch_at, after, max_wait)
+        s = c.stats()
+        assert s.admitted["new"] == len(gaps) + 1 and s.in_flight == 0
 
     run(main)
