@@ -65,6 +65,8 @@ class AgenticConfig:
     profile: str = "h200-bf16-tp8"
     max_model_len: int | None = 262_144
     catch_up_s: float | None = None  # the started workers' --catch-up-s (None: theirs)
+    # the started workers' --max-num-batched-tokens (None: the profile's step budget)
+    max_batched_tokens: int | None = None
     request_timeout_s: float = 600.0
     slo_ttft_s: float = SLO_TTFT_S
     slo_tok_s: float = SLO_TOK_S
@@ -262,6 +264,7 @@ def run_agentic(
         "block_tokens": cfg.block_tokens,
         "worker_max_model_len": cfg.max_model_len,
         "worker_catch_up_s": cfg.catch_up_s,
+        "worker_max_num_batched_tokens": cfg.max_batched_tokens,
         "command": " ".join(sys.argv),
         **cfg.extra,
     }
@@ -341,6 +344,7 @@ def _one_run(
             cfg.profile,
             max_model_len=cfg.max_model_len,
             catch_up_s=cfg.catch_up_s,
+            max_batched_tokens=cfg.max_batched_tokens,
         )
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)

@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from beamserve.argtypes import positive_int
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -168,6 +170,15 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
         help="--catch-up-s of the started workers (default theirs, 0.25: a busy host's late "
         "step timers do not slow the simulated GPUs; 0 = they do)",
     )
+    p.add_argument(
+        "--worker-max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="--max-num-batched-tokens of the started workers: the tokens one engine step "
+        "carries, prefill chunks and decodes together (default theirs: the profile's, 8,192 "
+        "for h200-bf16-tp8); the same for every router of the run",
+    )
     p.add_argument("--slo-ttft-s", type=_positive, default=2.0, metavar="S")
     p.add_argument("--slo-tok-s", type=_positive, default=20.0, metavar="X")
     p.add_argument("--request-timeout-s", type=_positive, default=600.0, metavar="S")
@@ -284,6 +295,12 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
     if args.peer and not args.target:
         console.print("[red]--peer needs --target (the routers already running)")
         return 2
+    if args.target and args.worker_max_num_batched_tokens is not None:
+        console.print(
+            "[red]--worker-max-num-batched-tokens sets the workers the bench starts; with "
+            "--target they are not the bench's (set the engines' own flag, or drop --target)"
+        )
+        return 2
     spec_extra: dict[str, Any] = {}
     if _is_spec(args.target):
         if args.peer:
@@ -327,6 +344,7 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
         profile=args.profile,
         max_model_len=args.worker_max_model_len,
         catch_up_s=args.worker_catch_up_s,
+        max_batched_tokens=args.worker_max_num_batched_tokens,
         request_timeout_s=args.request_timeout_s,
         slo_ttft_s=args.slo_ttft_s,
         slo_tok_s=args.slo_tok_s,

@@ -218,6 +218,7 @@ def start_workers(
     *,
     max_model_len: int | None = None,
     catch_up_s: float | None = None,
+    max_batched_tokens: int | None = None,
     ready_timeout_s: float = 120.0,
     tag: str = "w",
 ) -> list[Worker]:
@@ -232,6 +233,8 @@ def start_workers(
             argv += ["--max-model-len", str(max_model_len)]
         if catch_up_s is not None:
             argv += ["--catch-up-s", str(catch_up_s)]
+        if max_batched_tokens is not None:
+            argv += ["--max-num-batched-tokens", str(max_batched_tokens)]
         started.append(procs.start(f"{tag}{i}", argv))
     out = []
     for p in started:

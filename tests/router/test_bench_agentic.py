@@ -210,10 +210,15 @@ def test_self_contained_run_through_the_beamserve_router(
     r = beamserve(
         "bench", "agentic", "--routers", "beamserve", "--workers", "2", "--sessions", "2",
         "--max-turns", "4", "--concurrency", "1", "--token-scale", "0.05", "--think-scale", "0",
+        "--worker-max-num-batched-tokens", "4096",
         "--json", str(out), "--logs", str(tmp_path / "logs"), timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (row,) = json.loads(out.read_text())
+    assert row["worker_max_num_batched_tokens"] == 4096
+    for w in ("w0", "w1"):  # the started workers run with it (their ready lines say so)
+        ready = (tmp_path / "logs" / "beamserve-c1" / f"{w}.out").read_text().splitlines()[0]
+        assert json.loads(ready)["chunked_prefill_size"] == 4096
     lines = (tmp_path / "logs" / "beamserve-c1" / "requests.jsonl").read_text().splitlines()
     reqs = [json.loads(x) for x in lines]
     assert len(reqs) == 8 and {r["status"] for r in reqs} == {"ok"}
@@ -281,3 +286,14 @@ def test_wire_overhead_through_the_beamserve_router(
     assert row["added_p50_ms"] == pytest.approx(
         row["router_ttft_p50_ms"] - row["direct_ttft_p50_ms"]
     )
+
+
+def test_worker_settings_are_refused_for_workers_the_bench_does_not_start(
+    beamserve: RunBeamserve,
+) -> None:
+    r = beamserve(
+        "bench", "agentic", "--target", "http://127.0.0.1:9", "--concurrency", "1",
+        "--worker-max-num-batched-tokens", "2048", timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "--worker-max-num-batched-tokens" in r.stdout + r.stderr

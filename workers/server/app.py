@@ -481,6 +481,7 @@ def _add_sglang_routes(
             "disaggregation_transfer_backend": "nixl",
             "max_total_num_tokens": info.get("max_total_num_tokens"),
             "max_running_requests": info.get("max_running_requests"),
+            "chunked_prefill_size": info.get("chunked_prefill_size"),
             "internal_states": [{"last_gen_throughput": 0.0}],
             "version": "0.5.23",
             "frontend": "beamserve",

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +85,37 @@ def add_worker(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="longest prompt + output per request (default: KV capacity, at most 131072)",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="sim: tokens one engine step may carry, prefill chunks and decodes together "
+        "(vLLM's --max-num-batched-tokens, SGLang's --chunked-prefill-size; default: the "
+        "profile's, 8,192 for h200-bf16-tp8)",
+    )
     p.add_argument("--faults", default=None, help="sim: initial faults as JSON")
     return p
 
 
 def worker_main(args: argparse.Namespace) -> int:
+    code = 0
     try:
-        return asyncio.run(_serve(args))
+        code = asyncio.run(_serve(args))
+        return code
     except KeyboardInterrupt:
         return 0
+    except Exception:
+        code = 1
+        if args.engine == "ref":  # os._exit below skips the interpreter's own report
+            traceback.print_exc()
+        raise
     finally:
         if args.engine == "ref":
-            # nixl-cu12's bundled libnl segfaults in its exit handlers (docs/ref-engine.md)
+            # nixl-cu12's bundled libnl segfaults in its exit handlers (docs/ref-engine.md);
+            # the exit status is still the command's (a refused flag exits 2)
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(0)
+            os._exit(code)
 
 
 def _publisher(args: argparse.Namespace) -> Any:
@@ -135,17 +152,29 @@ async def _serve(args: argparse.Namespace) -> int:
     backend: Any
     if args.engine == "sim":
         from beamserve.workers.server.sim_backend import SimBackend
+        from beamserve.workers.sim.config import EngineConfigError
 
         codec = load_codec(args.model)
+        overrides = {}
+        if args.max_num_batched_tokens is not None:
+            overrides["max_batched_tokens"] = args.max_num_batched_tokens
         backend = SimBackend(
             codec,
             profile=args.profile,
             page_size=args.page_size or 64,
             speed=args.speed,
             catch_up_s=args.catch_up_s,
+            engine_overrides=overrides,
             **_backend_args(args),
         )
-        await backend.start()
+        try:
+            await backend.start()
+        except EngineConfigError as exc:
+            flags = {"max_batched_tokens": "--max-num-batched-tokens", "page_size": "--page-size"}
+            flag = next((f"{f}: " for key, f in flags.items() if key in str(exc)), "")
+            print(f"beamserve worker: {flag}{exc}", file=sys.stderr)
+            await backend.close()
+            return 2
         if args.faults:
             backend.set_faults(json.loads(args.faults))
     else:
@@ -153,6 +182,13 @@ async def _serve(args: argparse.Namespace) -> int:
 
         if args.model is None:
             print("beamserve worker: --engine ref needs --model DIR", file=sys.stderr)
+            return 2
+        if args.max_num_batched_tokens is not None:
+            print(
+                "beamserve worker: --max-num-batched-tokens is a sim setting; the ref engine "
+                "prefills in chunks of --page-size tokens (drop the flag)",
+                file=sys.stderr,
+            )
             return 2
         codec = load_codec(args.model)
         backend = RefBackend(
@@ -193,6 +229,7 @@ async def _serve(args: argparse.Namespace) -> int:
         "kv_replay": info.get("kv_replay_endpoint"),
         "page_size": backend.page_size,
         "tp_size": backend.tp_size,
+        "chunked_prefill_size": info.get("chunked_prefill_size"),
         "pid": os.getpid(),
     }
     serve = asyncio.create_task(server.serve(sockets=[sock]))

@@ -303,6 +303,7 @@ class SimBackend:
             "tp_size": self.tp_size,
             "page_size": cfg.page_size,
             "max_running_requests": cfg.max_running,
+            "chunked_prefill_size": cfg.max_batched_tokens,
             "max_total_num_tokens": cfg.full_pages * cfg.page_size,
             "sliding_window": cfg.model.sliding_window,
             "handshake_url": self.handshake_url,
