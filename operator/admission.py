@@ -515,10 +515,13 @@ def _pool_problems(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> 
                 Violation(f"{p}.gpusPerNode", f"engine {engine} runs on CPU; remove it (or set 0)")
             )
         for name, value in pool.tuning.model_dump(exclude_none=True, by_alias=True).items():
+            if engine == "sim" and name == "chunkedPrefillSize":
+                continue  # the sim's per-step token budget (`beamserve worker` flag)
+            knobs = "only chunkedPrefillSize" if engine == "sim" else "no engine knobs"
             out.append(
                 Violation(
                     f"{p}.tuning.{name}",
-                    f"engine {engine} has no engine knobs; remove it (value {value!r})",
+                    f"engine {engine} has {knobs}; remove it (value {value!r})",
                 )
             )
         if spec.host_cache_gb(role) > 0:

@@ -227,7 +227,7 @@ class EngineTuning(_Model):
     max_running_requests: Annotated[int, Field(ge=1)] | None = None
     cuda_graph_max_batch_size: Annotated[int, Field(ge=1)] | None = None
     chunked_prefill_size: Annotated[int, Field(ge=1)] | None = None
-    """Tokens per prefill chunk; a multiple of the page size."""
+    """Tokens per prefill chunk, a multiple of the page size (sim: its per-step token budget)."""
     prefill_decode_interval: Annotated[int, Field(ge=0)] | None = None
     cache_report: bool | None = None
     """Report cached tokens in usage (SGLang `--enable-cache-report`)."""

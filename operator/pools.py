@@ -224,6 +224,8 @@ def _worker_argv(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> li
     argv += ["--page-size", str(spec.page_size(role))]
     if spec.engine.name == "sim":
         argv += ["--profile", spec.engine.sim_profile]
+        if pool.tuning.chunked_prefill_size is not None:
+            argv += ["--max-num-batched-tokens", str(pool.tuning.chunked_prefill_size)]
     else:
         argv += ["--tp", str(pool.tp // pool.attention_dp)]
     argv += ["--kv-events-endpoint", f"tcp://*:{pool.ports.kv_events}"]

@@ -125,6 +125,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("sim tuning", _sim(decode={"tuning": {"maxRunningRequests": 8}}),
      "spec.decode.tuning.maxRunningRequests"),
     ("sim host cache", _sim(kv={"hostCacheGb": 8}), "spec.kv.hostCacheGb"),
+    ("ref has no step budget", S.disagg(engine={"name": "ref", "image": D}, prefill={"tp": 1},
+     decode={"tp": 1, "tuning": {"chunkedPrefillSize": 2048}}),
+     "spec.decode.tuning.chunkedPrefillSize"),
+    ("sim budget not a page multiple", _sim(decode={"tuning": {"chunkedPrefillSize": 1000}}),
+     "spec.decode.tuning.chunkedPrefillSize"),
     # GPUs and nodes
     ("gpusPerNode ≠ tp", S.disagg(decode={"gpusPerNode": 8}), "spec.decode.gpusPerNode"),
     ("gpusPerNode × nodes ≠ tp", S.disagg(prefill={"tp": 16, "nodesPerReplica": 2,
@@ -361,3 +366,17 @@ def test_safe_updates_pass() -> None:
     ):
         assert validate_update(old, new) == []
     assert validate_update(old, S.disagg(decode={"tp": 3})) == validate(S.disagg(decode={"tp": 3}))
+
+
+def test_the_sim_takes_its_step_budget_from_chunked_prefill_size() -> None:
+    """`tuning.chunkedPrefillSize` is the one engine knob a sim pool has: its workers get it
+    as `--max-num-batched-tokens` (the sim's per-step budget, as vLLM names it)."""
+    from beamserve.operator.api import BeamDeploymentSpec
+    from beamserve.operator.pools import pool_command
+
+    spec = _sim(decode={"tuning": {"chunkedPrefillSize": 2048}})
+    assert validate(spec) == []
+    parsed = BeamDeploymentSpec.model_validate(spec)
+    decode = list(pool_command(parsed, "decode").argv)
+    assert decode[decode.index("--max-num-batched-tokens") + 1] == "2048"
+    assert "--max-num-batched-tokens" not in pool_command(parsed, "prefill").argv
