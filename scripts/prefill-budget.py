@@ -4,7 +4,7 @@ while its users keep their decode speed — the arithmetic behind the goodput ce
 
     .venv/bin/python scripts/prefill-budget.py [--sessions 192] [--max-turns 8]
         [--token-scale 0.25] [--output-tokens 64] [--workers 4] [--profile h200-bf16-tp8]
-        [--decode-batch 16] [--slo-tok-s 20] [--duration-s 87]
+        [--budget N] [--decode-batch 16] [--slo-tok-s 20] [--duration-s 87]
 
 Workload: the claude-code sessions `beamserve bench agentic` replays (same selection, scaling
 and block texts). Every prompt is split into what a perfect prefix cache (a session's previous
@@ -15,9 +15,10 @@ turn, under 5 % of the total here). That is the prefill every router must get do
 does; the printed hit ratio is the best any router can reach.
 
 Worker: the sim's latency model for the profile (`beamserve.workers.sim.latency`), a decode
-batch of `--decode-batch` users beside prefill chunks of the engine's token budget
-(`max_batched_tokens`). A user decoding on a worker where a fraction x of the steps carry a
-chunk gets one token per step, so it keeps `--slo-tok-s` only while
+batch of `--decode-batch` users beside prefill chunks of the engine's token budget (`--budget`,
+the workers' `--max-num-batched-tokens`; default the profile's `max_batched_tokens`). A user
+decoding on a worker where a fraction x of the steps carry a chunk gets one token per step,
+so it keeps `--slo-tok-s` only while
 
     (1 − x) · t_decode + x · t_chunk ≤ 1 / slo_tok_s,
 
@@ -35,7 +36,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from beamserve.kvwire.codec import ApproxCodec
 from beamserve.router.bench.agentic_workload import (
+    PromptBuilder,
     block_tokens_for,
     default_trace_dir,
     load_sessions,
@@ -43,7 +46,11 @@ from beamserve.router.bench.agentic_workload import (
 from beamserve.workers.sim.latency import LatencyModel, StepWork, causal_keys
 from beamserve.workers.sim.profiles import get_profile
 
-CHAT_WRAPPER_TOKENS = 20  # what the sim adds around one user message (bench docs)
+
+def chat_wrapper_tokens() -> int:
+    """Tokens the bench's workers (the sim's codec, no checkpoint) add around one message."""
+    codec = ApproxCodec()
+    return len(codec.encode(codec.render([{"role": "user", "content": ""}])))
 
 
 def uncached_parts(args: argparse.Namespace) -> tuple[list[int], list[int], int, int]:
@@ -55,14 +62,15 @@ def uncached_parts(args: argparse.Namespace) -> tuple[list[int], list[int], int,
         output_cap=args.output_tokens,
         max_turns=args.max_turns,
     )
-    block = block_tokens_for(args.token_scale)
+    builder = PromptBuilder(block_tokens_for(args.token_scale))
+    block, wrapper = builder.block_tokens, chat_wrapper_tokens()
     first: list[int] = []
     later: list[int] = []
     total = requests = 0
     for session in sessions:
         previous: tuple[int, ...] = ()
         for turn in session.turns:
-            prompt = len(turn.hash_ids) * block + CHAT_WRAPPER_TOKENS
+            prompt = builder.prompt_tokens(turn.hash_ids) + wrapper
             shared = 0
             for a, b in zip(previous, turn.hash_ids, strict=False):
                 if a != b:
@@ -86,15 +94,11 @@ def pace_cap(
         decode_context=batch * context,
         decode_window=batch * min(context, window),
     )
-    chunk = budget - batch
-    mixed = StepWork(
+    chunk = budget - batch  # decodes take their tokens of the budget first
+    mixed = decode._replace(
         prefill_tokens=chunk,
         prefill_keys_full=causal_keys(0, chunk),
         prefill_keys_window=causal_keys(0, chunk, window),
-        decode_requests=batch,
-        decode_query_tokens=1,
-        decode_context=batch * context,
-        decode_window=batch * min(context, window),
     )
     t_d, t_c = lat.step_seconds(decode), lat.step_seconds(mixed)
     x = min(max((1.0 / slo_tok_s - t_d) / (t_c - t_d), 0.0), 1.0)
@@ -111,6 +115,7 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--profile", default="h200-bf16-tp8")
+    p.add_argument("--budget", type=int, default=None, help="tokens a step (default: profile's)")
     p.add_argument("--decode-batch", type=int, default=16)
     p.add_argument("--context", type=int, default=28_000, help="tokens per decoding user")
     p.add_argument("--slo-tok-s", type=float, default=20.0)
@@ -121,7 +126,7 @@ def main() -> None:
     first, later, total, requests = uncached_parts(args)
     profile = get_profile(args.profile)
     lat = LatencyModel(profile)
-    budget = profile.max_batched_tokens
+    budget = args.budget or profile.max_batched_tokens
     uncached = sum(first) + sum(later)
     print(f"workload: {requests} requests, {total:,} prompt tokens")
     print(f"  first turns      {len(first):5d}  {sum(first):12,} tokens to prefill")

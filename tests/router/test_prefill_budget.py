@@ -47,7 +47,7 @@ def test_a_session_prefills_its_first_prompt_then_only_what_each_turn_adds(tmp_p
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"block_size": 64, "requests": requests}))
     first, later, total, n = pb.uncached_parts(_args(path))
-    block, wrap = 16, pb.CHAT_WRAPPER_TOKENS  # 64 × 0.25
+    block, wrap = 16, pb.chat_wrapper_tokens()  # 64 × 0.25; the wrapper: 20 (bench docs)
     assert n == 3
     assert first == [3 * block + wrap]
     assert later == [2 * block + wrap, 1 * block + wrap]

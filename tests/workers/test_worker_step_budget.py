@@ -36,7 +36,7 @@ def test_the_budget_reaches_the_engine_and_its_reports(spawn_worker: SpawnWorker
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks(spawn_worker: SpawnWorker) -> None:
-    """A prefill step is compute-bound from ≈ 1,500 tokens on (h200-bf16-tp8), so 8,192-token
+    """A prefill step is compute-bound from ≈ 1,400 tokens on (h200-bf16-tp8), so 8,192-token
     and 2,048-token chunks take a long prompt alike; 256-token chunks are memory-bound steps,
     ≈ 5.5 × the time to the first token. The sim runs 20 × faster than the wall clock; the
     ratio of the two workers' TTFT shows the step count, not the host."""

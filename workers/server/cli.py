@@ -97,6 +97,10 @@ def add_worker(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+# `EngineConfig` fields the worker's flags set, for its error messages
+SIM_FLAGS = {"max_batched_tokens": "--max-num-batched-tokens", "page_size": "--page-size"}
+
+
 def worker_main(args: argparse.Namespace) -> int:
     code = 0
     try:
@@ -170,9 +174,9 @@ async def _serve(args: argparse.Namespace) -> int:
         try:
             await backend.start()
         except EngineConfigError as exc:
-            flags = {"max_batched_tokens": "--max-num-batched-tokens", "page_size": "--page-size"}
-            flag = next((f"{f}: " for key, f in flags.items() if key in str(exc)), "")
-            print(f"beamserve worker: {flag}{exc}", file=sys.stderr)
+            # the message leads with the engine field; name the flag that sets it instead
+            field, _, why = str(exc).partition(": ")
+            print(f"beamserve worker: {SIM_FLAGS.get(field, field)}: {why}", file=sys.stderr)
             await backend.close()
             return 2
         if args.faults:
