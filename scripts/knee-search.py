@@ -1,0 +1,683 @@
+#!/usr/bin/env python3
+"""What any router could get at the knee: the HTTP bench's closed loop on virtual time, with
+many placement and admission strategies in front of the same simulated workers.
+
+    .venv/bin/python scripts/knee-search.py [--concurrency 64] [--sessions 192] [--max-turns 8]
+        [--workers 4] [--budget N] [--seeds 3] [--strategies a,b,…] [--json FILE]
+
+Workload: the sessions `beamserve bench agentic` replays, selected and scaled the same way
+(`--token-scale 0.25`, 64 output tokens, think times × 0.02 capped at 2 s), played by
+`--concurrency` agents that each take the next session when theirs ends, as the bench's
+players do. Workers: `--workers` `SimEngine`s of the `h200-bf16-tp8` profile (the engine
+behind `beamserve worker --engine sim`, its scheduler, prefix cache and latency model) on one
+virtual clock, so a run of 1,419 requests takes seconds instead of minutes. Goodput counts
+what the bench counts: TTFT ≤ 2 s and output tokens over (end − first token) ≥ 20 tok/s.
+
+A strategy sees the whole state of every engine and the progress of every request in flight
+(more than a router behind HTTP sees), and it knows each answer's length (the bench's
+`max_tokens` is exactly what the sim generates). It may place a request, hold it (it is
+offered again every `--tick-s` and after every finished request), or send it in another
+shape (prefix priming, a prefill/decode split with the sim's own KV-transfer time). Sessions
+stay on the worker they started on (the cache-hit ratio every row reaches is the workload's
+0.845), so the strategies differ in where and when new sessions' long first prompts are
+prefilled: 77 % of the prefill at 64 agents.
+
+Families (`--strategies`, default all):
+
+| name | new session's first turn |
+|---|---|
+| `least-queued` | the worker with the fewest queued prefill tokens (a cache-aware gateway's choice when no worker holds the prefix) |
+| `round-robin` | the next worker in turn |
+| `least-sessions` | the worker with the fewest active sessions |
+| `pace`, `pace-hold-T` | the worker where its prefill (and what is queued there) pushes the fewest decoding users under 20 tok/s; `-hold-T`: wait up to T s while every worker would push one |
+| `pace-balanced-hold-1` | the same, among workers within 2 active sessions of the fewest |
+| `gate-X`, `gate-lifo-X` | least-queued, held while every worker has over X queued prefill tokens (newest first with `lifo`) |
+| `prime-K`, `pace-prime-K` | the prompt prefilled first as prefixes of K, 2K, … tokens (`max_tokens` 1 each, one after the other), then the request itself |
+| `pd-1p3d`, `pd-2p2d` | prefilled on 1 (2) dedicated workers, decoded on the others after the KV transfer |
+| `pd-1p-overflow` | prefilled on 1 dedicated worker while its queue stays under 60K tokens, else on its decode worker |
+
+One row is not a router strategy but a ceiling: `ceiling-first-turns-elsewhere` gives first
+turns' prefill to hardware outside the pool (a cold prefill's time on an idle worker, then
+the KV arrives): what the pool does if none of its time goes to new sessions' prompts.
+
+Each strategy runs `--seeds` times: seed 0 plays the trace as it is, seed k > 0 adds
+U(0, 20 ms) to every think time (the run-to-run spread of a real machine). The table shows
+the mean goodput, its range, and the ratio to `least-queued`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import random
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from beamserve.kvwire.codec import ApproxCodec
+from beamserve.router.bench.agentic_workload import (
+    PromptBuilder,
+    Session,
+    block_tokens_for,
+    default_trace_dir,
+    load_sessions,
+)
+from beamserve.workers.sim.clock import VirtualClock
+from beamserve.workers.sim.config import EngineConfig
+from beamserve.workers.sim.engine import SimEngine
+from beamserve.workers.sim.latency import LatencyModel, StepWork, causal_keys
+from beamserve.workers.sim.profiles import get_profile
+from beamserve.workers.sim.request import RemotePrefill, RequestUpdate, SimRequest
+
+SLO_TTFT_S = 2.0
+SLO_TOK_S = 20.0
+PAGE = 64
+
+
+def page_hashes(namespace: str, ids: Sequence[int], ids_per_page: int) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full pages: page k is keyed by the session and every
+    trace block up to its end, so two prompts share page k iff they share those blocks."""
+    out: list[int] = []
+    h = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+    for k in range(len(ids) // ids_per_page):
+        m = hashlib.blake2b(h, digest_size=8)
+        m.update(repr(tuple(ids[k * ids_per_page : (k + 1) * ids_per_page])).encode())
+        h = m.digest()
+        out.append(int.from_bytes(h, "little") & ((1 << 63) - 1))
+    return tuple(out)
+
+
+@dataclass(slots=True)
+class Rec:
+    """One request of the replay (virtual seconds)."""
+
+    session: str
+    turn: int
+    prompt: int
+    out: int
+    sent: float
+    req: SimRequest
+    worker: str | None = None
+    first: float | None = None
+    end: float | None = None
+    cached: int = 0
+    ntok: int = 0
+
+    @property
+    def ttft(self) -> float:
+        assert self.first is not None
+        return self.first - self.sent
+
+    @property
+    def late(self) -> bool:
+        return self.first is None or self.ttft > SLO_TTFT_S
+
+    @property
+    def good(self) -> bool:
+        if self.late or self.end is None:
+            return False
+        assert self.first is not None
+        span = self.end - self.first
+        return self.ntok < 2 or span <= 0 or self.ntok / span >= SLO_TOK_S
+
+
+class Strategy:
+    """Where and when a request goes. `place` returns a worker, or None to hold it."""
+
+    name = "base"
+
+    def place(self, h: Loop, rec: Rec) -> str | None:
+        home = h.home.get(rec.session)
+        return home if home is not None else self.place_new(h, rec)
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        raise NotImplementedError
+
+    def order(self, held: list[Rec]) -> list[Rec]:
+        return held
+
+    def send(self, h: Loop, worker: str, rec: Rec) -> None:
+        h.submit(worker, rec, rec.req)
+
+
+class LeastQueued(Strategy):
+    name = "least-queued"
+
+    def __init__(self, workers: Sequence[str] | None = None) -> None:
+        self.workers = workers
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        pool = self.workers or list(h.engines)
+        return min(pool, key=lambda w: (h.queued(w), len(h.inflight[w])))
+
+
+class RoundRobin(Strategy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        self.i += 1
+        return list(h.engines)[self.i % len(h.engines)]
+
+
+class LeastSessions(Strategy):
+    name = "least-sessions"
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        act = h.active_sessions()
+        return min(h.engines, key=lambda w: (act[w], h.queued(w)))
+
+
+class Pace(Strategy):
+    """Fewest decoding users pushed under the SLO's speed by this prefill plus the queued one."""
+
+    def __init__(self, hold_s: float = 0.0, balance: int | None = None) -> None:
+        self.hold_s, self.balance = hold_s, balance
+        self.name = "pace" + (f"-balanced" if balance is not None else "")
+        self.name += f"-hold-{hold_s:g}" if hold_s else ""
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        now = h.clock.now()
+        pool = list(h.engines)
+        if self.balance is not None:
+            act = h.active_sessions()
+            least = min(act.values())
+            pool = [w for w in pool if act[w] <= least + self.balance]
+
+        def key(w: str) -> tuple[int, int]:
+            cost = h.s_per_prefill_token * (rec.prompt + h.queued(w))
+            return (sum(1 for s in h.slacks(w, now) if s < cost), h.queued(w))
+
+        best = min(pool, key=key)
+        if self.hold_s and key(best)[0] > 0 and now - rec.sent < self.hold_s:
+            return None
+        return best
+
+
+class Gate(LeastQueued):
+    def __init__(self, limit: int, lifo: bool = False) -> None:
+        super().__init__()
+        self.limit, self.lifo = limit, lifo
+        self.name = f"gate-{'lifo-' if lifo else ''}{limit // 1024}k"
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        if min(h.queued(w) for w in h.engines) > self.limit:
+            return None
+        return super().place_new(h, rec)
+
+    def order(self, held: list[Rec]) -> list[Rec]:
+        return sorted(held, key=lambda r: -r.sent) if self.lifo else held
+
+
+class Prime:
+    """Wraps a strategy: first turns are prefilled as growing prefixes of `piece` tokens."""
+
+    def __init__(self, inner: Strategy, piece: int) -> None:
+        self.inner, self.piece = inner, piece
+        prefix = "" if isinstance(inner, LeastQueued) else inner.name + "-"
+        self.name = f"{prefix}prime-{piece // 1024}k"
+
+    def place(self, h: Loop, rec: Rec) -> str | None:
+        return self.inner.place(h, rec)
+
+    def order(self, held: list[Rec]) -> list[Rec]:
+        return self.inner.order(held)
+
+    def send(self, h: Loop, worker: str, rec: Rec) -> None:
+        pages = rec.req.block_hashes or ()
+        step = max(1, self.piece // PAGE)
+        cuts = list(range(step, len(pages), step)) if rec.turn == 0 else []
+
+        def go(i: int) -> None:
+            if i == len(cuts):
+                h.submit(worker, rec, rec.req)
+                return
+            n = cuts[i]
+            leg = SimRequest(
+                h.new_id("prime"),
+                prompt_tokens=n * PAGE,
+                max_output_tokens=1,
+                output_tokens=1,
+                block_hashes=pages[:n],
+            )
+            h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
+
+        h.hold_slot(worker, rec)
+        go(0)
+
+
+class Disaggregated(Strategy):
+    """First turns prefilled on `prefill` workers, decoded on `decode` ones after the KV moves
+    (the sim's P/D transfer time). `overflow`: over that many queued tokens on the least-queued
+    prefill worker, the first turn is prefilled on its decode worker instead."""
+
+    def __init__(
+        self,
+        name: str,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        overflow: int = 0,
+        sjf_below: int = 0,
+    ) -> None:
+        self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
+        self.sjf_below = sjf_below
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        if self.sjf_below and min(h.queued(p) for p in self.prefill) >= self.sjf_below:
+            return None
+        return min(self.decode, key=lambda w: (len(h.inflight[w]), h.queued(w)))
+
+    def order(self, held: list[Rec]) -> list[Rec]:
+        if not self.sjf_below:
+            return held
+        return sorted(held, key=lambda r: (r.turn == 0, r.prompt if r.turn == 0 else 0))
+
+    def send(self, h: Loop, worker: str, rec: Rec) -> None:
+        if rec.turn != 0:
+            h.submit(worker, rec, rec.req)
+            return
+        p = min(self.prefill, key=h.queued)
+        if self.overflow and h.queued(p) + rec.prompt > self.overflow:
+            h.submit(worker, rec, rec.req)
+            return
+        leg = SimRequest(
+            h.new_id("prefill"),
+            prompt_tokens=rec.prompt,
+            max_output_tokens=1,
+            output_tokens=1,
+            block_hashes=rec.req.block_hashes,
+        )
+        moved = replace(
+            rec.req,
+            remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
+        )
+
+        def done(u: RequestUpdate) -> None:
+            if u.finished:
+                h.release_slot(worker, rec)
+                h.submit(worker, rec, moved)
+
+        h.hold_slot(worker, rec)
+        h.engines[p].submit(leg, done, stream=False)
+
+
+class FirstTurnsElsewhere(LeastQueued):
+    """The ceiling row: first turns' prefill costs these workers nothing."""
+
+    name = "ceiling-first-turns-elsewhere"
+
+    def send(self, h: Loop, worker: str, rec: Rec) -> None:
+        if rec.turn != 0:
+            h.submit(worker, rec, rec.req)
+            return
+        t = h.lat.prefill_seconds(rec.prompt)
+        h.submit(worker, rec, replace(rec.req, remote_prefill=RemotePrefill(transfer_seconds=t)))
+
+
+def strategies(workers: int) -> dict[str, Callable[[], Any]]:
+    ws = [f"w{i}" for i in range(workers)]
+    out: dict[str, Callable[[], Any]] = {
+        "least-queued": LeastQueued,
+        "round-robin": RoundRobin,
+        "least-sessions": LeastSessions,
+        "pace": Pace,
+        "pace-hold-0.5": lambda: Pace(0.5),
+        "pace-hold-1": lambda: Pace(1.0),
+        "pace-hold-1.5": lambda: Pace(1.5),
+        "pace-balanced-hold-1": lambda: Pace(1.0, balance=2),
+        "gate-8k": lambda: Gate(8192),
+        "gate-32k": lambda: Gate(32768),
+        "gate-lifo-32k": lambda: Gate(32768, lifo=True),
+        "prime-2k": lambda: Prime(LeastQueued(), 2048),
+        "prime-4k": lambda: Prime(LeastQueued(), 4096),
+        "pace-hold-1-prime-4k": lambda: Prime(Pace(1.0), 4096),
+    }
+    if workers >= 4:
+        out["pd-1p3d"] = lambda: Disaggregated("pd-1p3d", ws[:1], ws[1:])
+        out["pd-2p2d"] = lambda: Disaggregated("pd-2p2d", ws[:2], ws[2:])
+        for q in (1, 8192, 32768):
+            out[f"pd-2p2d-sjf-{q // 1024}k"] = lambda q=q: Disaggregated(
+                f"pd-2p2d-sjf-{q // 1024}k", ws[:2], ws[2:], sjf_below=q
+            )
+        out["pd-1p-overflow"] = lambda: Disaggregated("pd-1p-overflow", ws[:1], ws[1:], 60_000)
+    out["ceiling-first-turns-elsewhere"] = FirstTurnsElsewhere
+    return out
+
+
+def step_costs(lat: LatencyModel, budget: int, batch: int = 16, context: int = 28_000):
+    """(s a decode step of `batch` users, s each prefill token adds to a step beside them)."""
+    decode = StepWork(
+        decode_requests=batch,
+        decode_query_tokens=1,
+        decode_context=batch * context,
+        decode_window=batch * min(context, lat.window),
+    )
+    chunk = budget - batch
+    mixed = decode._replace(
+        prefill_tokens=chunk,
+        prefill_keys_full=causal_keys(0, chunk),
+        prefill_keys_window=causal_keys(0, chunk, lat.window),
+    )
+    t_d, t_c = lat.step_seconds(decode), lat.step_seconds(mixed)
+    return t_d, (t_c - t_d) / chunk
+
+
+class Loop:
+    """The bench's closed loop on a virtual clock (module docstring)."""
+
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        strategy: Any,
+        *,
+        concurrency: int,
+        workers: int = 4,
+        profile: str = "h200-bf16-tp8",
+        budget: int | None = None,
+        token_scale: float = 0.25,
+        seed: int = 0,
+        jitter_s: float = 0.02,
+        tick_s: float = 0.05,
+    ) -> None:
+        prof = get_profile(profile)
+        over: dict[str, object] = {"page_size": PAGE}
+        if budget:
+            over["max_batched_tokens"] = budget
+        cfg = EngineConfig.from_profile(prof, **over)
+        self.clock = VirtualClock()
+        self.engines = {f"w{i}": SimEngine(cfg, self.clock) for i in range(workers)}
+        self.lat = LatencyModel(prof)
+        self.s_per_decode_step, self.s_per_prefill_token = step_costs(
+            self.lat, cfg.max_batched_tokens
+        )
+        self.strategy = strategy
+        self.concurrency, self.tick_s = concurrency, tick_s
+        self.builder = PromptBuilder(block_tokens_for(token_scale))
+        self.ids_per_page = max(1, PAGE // self.builder.block_tokens)
+        codec = ApproxCodec()
+        self.wrapper = len(codec.encode(codec.render([{"role": "user", "content": ""}])))
+        self.queue = collections.deque(sessions)
+        self.rng = random.Random(seed)
+        self.jitter_s = jitter_s if seed else 0.0
+        self.recs: list[Rec] = []
+        self.home: dict[str, str] = {}
+        self.live: set[str] = set()
+        self.inflight: dict[str, list[Rec]] = {w: [] for w in self.engines}
+        self.held: list[Rec] = []
+        self._cont: dict[int, tuple[Session, int]] = {}
+        self._ids = 0
+        self._ticking = False
+
+    # --- what strategies read ---------------------------------------------------------------
+
+    def queued(self, worker: str) -> int:
+        return self.engines[worker].stats().queued_prefill_tokens
+
+    def active_sessions(self) -> dict[str, int]:
+        act = {w: 0 for w in self.engines}
+        for s in self.live:
+            w = self.home.get(s)
+            if w is not None:
+                act[w] += 1
+        return act
+
+    def slacks(self, worker: str, now: float) -> list[float]:
+        """Seconds each decoding request on `worker` can still lose and end at the SLO's speed."""
+        out = []
+        for r in self.inflight[worker]:
+            if r.first is None:
+                continue
+            deadline = r.first + r.out / SLO_TOK_S
+            out.append(deadline - now - (r.out - r.ntok) * self.s_per_decode_step)
+        return out
+
+    def new_id(self, kind: str) -> str:
+        self._ids += 1
+        return f"{kind}-{self._ids}"
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> list[Rec]:
+        for _ in range(self.concurrency):
+            self._next_session()
+        self.clock.run()
+        if self.held or any(self.inflight.values()):
+            raise RuntimeError(f"{self.strategy.name}: requests left held or in flight")
+        return self.recs
+
+    def _next_session(self) -> None:
+        if self.queue:
+            self._send(self.queue.popleft(), 0)
+
+    def _send(self, s: Session, k: int) -> None:
+        t = s.turns[k]
+        self.live.add(s.name)
+        prompt = self.builder.prompt_tokens(t.hash_ids) + self.wrapper
+        req = SimRequest(
+            self.new_id("req"),
+            prompt_tokens=prompt,
+            max_output_tokens=t.max_tokens,
+            output_tokens=t.max_tokens,
+            block_hashes=page_hashes(s.name, t.hash_ids, self.ids_per_page),
+        )
+        rec = Rec(s.name, k, prompt, t.max_tokens, self.clock.now(), req)
+        self._cont[id(rec)] = (s, k)
+        self.recs.append(rec)
+        self.held.append(rec)
+        self.pump()
+
+    def pump(self) -> None:
+        if not self.held:
+            return
+        keep = []
+        for rec in self.strategy.order(self.held):
+            w = self.strategy.place(self, rec)
+            if w is None:
+                keep.append(rec)
+                continue
+            rec.worker = w
+            self.home[rec.session] = w
+            self.strategy.send(self, w, rec)
+        self.held = keep
+        if keep and not self._ticking:
+            self._ticking = True
+            self.clock.call_at(self.clock.now() + self.tick_s, self._tick)
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self.pump()
+
+    def hold_slot(self, worker: str, rec: Rec) -> None:
+        self.inflight[worker].append(rec)
+
+    def release_slot(self, worker: str, rec: Rec) -> None:
+        self.inflight[worker].remove(rec)
+
+    def submit(self, worker: str, rec: Rec, req: SimRequest) -> None:
+        if rec not in self.inflight[worker]:
+            self.inflight[worker].append(rec)
+        s, k = self._cont.pop(id(rec))
+
+        def listener(u: RequestUpdate) -> None:
+            if rec.first is None and u.num_output_tokens > 0:
+                rec.first = u.time
+            rec.ntok = u.num_output_tokens
+            if not u.finished:
+                return
+            rec.end = u.time
+            if u.metrics is not None:
+                rec.cached = u.metrics.cached_tokens
+            self.inflight[worker].remove(rec)
+            if k + 1 < len(s.turns):
+                pause = s.turns[k + 1].think_s + self.rng.uniform(0, self.jitter_s)
+                self.clock.call_at(u.time + pause, lambda: self._send(s, k + 1))
+            else:
+                self.live.discard(s.name)
+                self._next_session()
+            self.pump()
+
+        self.engines[worker].submit(req, listener, stream=True)
+
+
+# --- summary --------------------------------------------------------------------------------
+
+
+def summarize(recs: Sequence[Rec]) -> dict[str, Any]:
+    """The bench's figures for one run, and the misses split by turn and kind."""
+    t0 = min(r.sent for r in recs)
+    t1 = max(r.end or r.sent for r in recs)
+    run_s = t1 - t0
+    first = [r for r in recs if r.turn == 0]
+    later = [r for r in recs if r.turn > 0]
+
+    def split(rs: Sequence[Rec]) -> dict[str, int]:
+        good = sum(r.good for r in rs)
+        late = sum(r.late for r in rs)
+        return {"good": good, "slow": len(rs) - good - late, "late": late}
+
+    ttfts = sorted(r.ttft for r in recs if r.first is not None)
+    good = sum(r.good for r in recs)
+    return {
+        "requests": len(recs),
+        "run_s": run_s,
+        "goodput_rps": good / run_s if run_s > 0 else 0.0,
+        "attainment": good / len(recs) if recs else 0.0,
+        "hit": sum(r.cached for r in recs) / max(1, sum(r.prompt for r in recs)),
+        "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+        "output_tok_s": sum(r.ntok for r in recs) / run_s if run_s > 0 else 0.0,
+        "continuing": split(later),
+        "first": split(first),
+    }
+
+
+def search(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> list[dict]:
+    sessions = load_sessions(
+        args.trace or default_trace_dir(),
+        sessions=args.sessions,
+        max_turns=args.max_turns,
+        token_scale=args.token_scale,
+        think_scale=0.02,
+        max_think_s=2.0,
+    )
+    table = strategies(args.workers)
+    names = args.strategies.split(",") if args.strategies else list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(table)}")
+    rows = []
+    for name in names:
+        runs = []
+        for seed in range(args.seeds):
+            loop = Loop(
+                sessions,
+                table[name](),
+                concurrency=args.concurrency,
+                workers=args.workers,
+                budget=args.budget,
+                token_scale=args.token_scale,
+                seed=seed,
+            )
+            runs.append(summarize(loop.run()))
+            if progress:
+                progress(name)
+        g = [r["goodput_rps"] for r in runs]
+        rows.append({"strategy": name, "goodput_mean": statistics.fmean(g), "goodput_min": min(g),
+                     "goodput_max": max(g), "runs": runs})
+    base = next((r["goodput_mean"] for r in rows if r["strategy"] == "least-queued"), None)
+    for r in rows:
+        r["vs_least_queued"] = r["goodput_mean"] / base if base else None
+    return rows
+
+
+def print_table(rows: Sequence[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in ("strategy", "goodput r/s", "range", "× least-queued", "attain", "run s",
+              "TTFT p90", "continuing good/slow/late", "first good/slow/late"):
+        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for r in rows:
+        a = r["runs"][0]
+        c, f = a["continuing"], a["first"]
+        t.add_row(
+            r["strategy"],
+            f"{r['goodput_mean']:.2f}",
+            f"{r['goodput_min']:.2f}–{r['goodput_max']:.2f}",
+            f"{r['vs_least_queued']:.3f}" if r["vs_least_queued"] else "–",
+            f"{statistics.fmean(x['attainment'] for x in r['runs']):.3f}",
+            f"{statistics.fmean(x['run_s'] for x in r['runs']):.1f}",
+            f"{a['ttft_p90_s']:.2f}",
+            f"{c['good']}/{c['slow']}/{c['late']}",
+            f"{f['good']}/{f['slow']}/{f['late']}",
+        )
+    Console(width=200).print(t)
+
+
+def plot(rows: Sequence[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next((r["goodput_mean"] for r in rows if r["strategy"] == "least-queued"), None)
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+    names = [r["strategy"] for r in rows][::-1]
+    means = [r["goodput_mean"] for r in rows][::-1]
+    lo = [r["goodput_mean"] - r["goodput_min"] for r in rows][::-1]
+    hi = [r["goodput_max"] - r["goodput_mean"] for r in rows][::-1]
+    ax.barh(names, means, xerr=[lo, hi], color="#4c72b0")
+    if base:
+        ax.axvline(base, color="grey", ls=":", label="least-queued")
+        ax.axvline(1.25 * base, color="#c44e52", ls="--", label="1.25 × least-queued")
+        ax.legend(loc="lower right")
+    ax.set_xlabel("goodput (requests/s meeting TTFT ≤ 2 s and ≥ 20 tok/s)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", type=Path, default=None, help="default: the bundled claude-code set")
+    p.add_argument("--sessions", type=int, default=192)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--token-scale", type=float, default=0.25)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--budget", type=int, default=None, help="tokens a step (default: profile's)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per strategy (seed 0: no jitter)")
+    p.add_argument("--strategies", default=None, help="comma-separated; default all")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here (and a .png)")
+    args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error("--seeds: give at least 1")
+    if args.concurrency < 1:
+        p.error("--concurrency: give at least 1")
+    from rich.progress import Progress
+
+    n = len(args.strategies.split(",")) if args.strategies else len(strategies(args.workers))
+    with Progress(transient=True) as bar:
+        task = bar.add_task("strategies × seeds", total=n * args.seeds)
+        rows = search(args, lambda _name: bar.advance(task))
+    title = (f"{args.sessions} sessions, {args.concurrency} agents, {args.workers} sim workers, "
+             f"budget {args.budget or 'profile'}, {args.seeds} seeds")
+    print_table(rows, title)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in vars(args).items()},
+                                         "rows": rows}, indent=1))
+        plot(rows, args.json.with_suffix(".png"), title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
