@@ -352,6 +352,11 @@ class FlowControlSpec(_Model):
     lifo_max_wait_seconds: Annotated[float, Field(gt=0)] = 30.0
     """Under adaptive LIFO, requests that waited this long (at most half of ttlSeconds) are
     served first again, so none expires; must be above lifoAfterSeconds."""
+    prefill_gate_tokens: Annotated[int, Field(ge=1)] | None = 32768
+    """With a prefill pool: new sessions whose prompt the router splits go to it only while a
+    prefill worker has less than this much prefill in flight, and wait in the router meanwhile,
+    shortest first; null: straight into the prefill workers' own queues (docs/policies.md,
+    "The prefill stage of a disaggregated pool")."""
 
 
 class SaturationSpec(_Model):

@@ -85,6 +85,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "hold_continuing": config.flow_control.hold_continuing,
             "lifo_after_s": config.flow_control.lifo_after_seconds,
             "lifo_max_wait_s": config.flow_control.lifo_max_wait_seconds,
+            "prefill_gate_tokens": config.flow_control.prefill_gate_tokens,
         },
         "saturation": {
             "max_prefill_tokens": config.saturation.max_prefill_tokens,

@@ -133,6 +133,9 @@ class RoutingCore:
         # Whether the pool is saturated now (the flow controller's signal; None: never):
         # `decide` stamps it on the request as `RouteRequest.pool_saturated`.
         self.pool_saturated: Callable[[], bool] | None = None
+        # Called when a split request's prefill worker is done with it (its first token came):
+        # the flow controller's prefill stage has room again (`FlowController.prefill_stage`).
+        self.on_prefill_done: Callable[[], None] | None = None
 
     def geometry_of(self, endpoint: Endpoint) -> KVGeometry:
         """The worker's KV geometry: its own report, else the router's default."""
@@ -247,14 +250,20 @@ class RoutingCore:
         d.decision = decision
         d.flight = self.dispatched(d.request, decision)
         d.phase = "dispatched"
+        routed = getattr(d.ticket, "routed", None)
+        if routed is not None:
+            routed()  # its load is booked: the flow gate's prefill stage sees it now
         return decision
 
     def first_token(self, d: Dispatch) -> None:
-        """The first output token arrived: the prefill load becomes decode load."""
+        """The first output token arrived: the prefill load becomes decode load (and
+        `on_prefill_done` hears of it when the prefill ran on a prefill worker)."""
         if d.phase == "dispatched" and d.flight is not None:
             self.loads.first_token(d.flight)
             d.phase = "streaming"
             d.first_token_at = self.clock()
+            if self.on_prefill_done is not None and d.decision and d.decision.prefill is not None:
+                self.on_prefill_done()
 
     def _release_flight(self, d: Dispatch) -> None:
         if d.flight is not None:
@@ -372,11 +381,12 @@ class RoutingCore:
                 # every replica's index (each subscribes to the same events)
                 if added and self.on_predict is not None:
                     self.on_predict(ep.id, added, ttl)
+        uncached = self.uncached_tokens(
+            request, decision.expected_hit, self.geometry_of(prefill or decode)
+        )
         return self.loads.start(
             decision.decode.id,
-            self.uncached_tokens(
-                request, decision.expected_hit, self.geometry_of(prefill or decode)
-            ),
+            uncached,
             request.prompt_tokens + request.max_tokens,
-            decision.prefill.id if decision.prefill is not None else None,
+            prefill.id if prefill is not None else None,
         )

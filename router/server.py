@@ -45,6 +45,7 @@ from beamserve.router.facts import FactsBook
 from beamserve.router.flow import (
     FlowConfig,
     FlowController,
+    PrefillStage,
     SaturationConfig,
     SaturationDetector,
     Shed,
@@ -58,7 +59,7 @@ from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, bui
 from beamserve.router.prompt import PromptHasher
 from beamserve.router.sessions import RedisSessionStore, make_session_store, session_tip
 from beamserve.router.sync import RedisReplicaSync, SyncParams, sync_channel
-from beamserve.router.types import Endpoint, RouteDecision
+from beamserve.router.types import Endpoint, RouteDecision, WorkerLoad
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +127,12 @@ class RouterRuntime:
         )
         # The flow controller's own clock and signal (a test may swap the signal).
         self.core.pool_saturated = lambda: self.flow.saturation.saturated(time.monotonic())
+        # P/D pools: new sessions' long prompts queue here, shortest first, while the prefill
+        # workers are busy (`FlowController`, "The prefill stage"); a prefill done reopens it.
+        self.flow.prefill_stage = PrefillStage(
+            self._prefill_stage_loads, disagg.params.min_uncached_tokens
+        )
+        self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url)
         self.facts = FactsBook(geometry)
         self._discovered: list[Endpoint] = []
@@ -271,6 +278,12 @@ class RouterRuntime:
             return
         self._observe_due = True
         asyncio.get_running_loop().call_later(SYNC_OBSERVE_S, self._observe_pool)
+
+    def _prefill_stage_loads(self) -> list[WorkerLoad]:
+        """The loads of the prefill-only workers (none in a colocated pool)."""
+        return [
+            self.loads.load(e.id) for e in self._discovered if e.can_prefill and not e.can_decode
+        ]
 
     def _observe_pool(self) -> None:
         self._observe_due = False

@@ -22,19 +22,23 @@ stay on the worker they started on (the cache-hit ratio every row reaches is the
 0.845), so the strategies differ in where and when new sessions' long first prompts are
 prefilled: 77 % of the prefill at 64 agents.
 
-Families (`--strategies`, default all):
-
-| name | new session's first turn |
-|---|---|
-| `least-queued` | the worker with the fewest queued prefill tokens (a cache-aware gateway's choice when no worker holds the prefix) |
-| `round-robin` | the next worker in turn |
-| `least-sessions` | the worker with the fewest active sessions |
-| `pace`, `pace-hold-T` | the worker where its prefill (and what is queued there) pushes the fewest decoding users under 20 tok/s; `-hold-T`: wait up to T s while every worker would push one |
-| `pace-balanced-hold-1` | the same, among workers within 2 active sessions of the fewest |
-| `gate-X`, `gate-lifo-X` | least-queued, held while every worker has over X queued prefill tokens (newest first with `lifo`) |
-| `prime-K`, `pace-prime-K` | the prompt prefilled first as prefixes of K, 2K, … tokens (`max_tokens` 1 each, one after the other), then the request itself |
-| `pd-1p3d`, `pd-2p2d` | prefilled on 1 (2) dedicated workers, decoded on the others after the KV transfer |
-| `pd-1p-overflow` | prefilled on 1 dedicated worker while its queue stays under 60K tokens, else on its decode worker |
+Families (`--strategies`, default all), by where a new session's first turn goes:
+- `least-queued`: the worker with the fewest queued prefill tokens (a cache-aware gateway's
+  choice when no worker holds the prefix);
+- `round-robin`: the next worker in turn; `least-sessions`: the fewest active sessions;
+- `pace`, `pace-hold-T`: the worker where its prefill (and what is queued there) pushes the
+  fewest decoding users under 20 tok/s; `-hold-T`: wait up to T s while every worker would;
+  `pace-balanced-hold-1`: the same among workers within 2 active sessions of the fewest;
+- `gate-X`, `gate-lifo-X`: least-queued, held while every worker has over X queued prefill
+  tokens (newest first with `lifo`);
+- `prime-K`, `pace-hold-1-prime-K`: the prompt prefilled first as prefixes of K, 2K, …
+  tokens (`max_tokens` 1 each, one after the other), then the request itself;
+- `pd-1p3d`, `pd-2p2d`: prefilled on 1 (2) dedicated workers, decoded on the others after
+  the KV transfer; `pd-2p2d-sjf-Xk`: the same, first turns held in the router while every
+  prefill worker has X or more tokens queued, and released shortest first (what the router's
+  flow controller does for a P/D pool: `FlowConfig.prefill_gate_tokens`);
+- `pd-1p-overflow`: prefilled on 1 dedicated worker while its queue stays under 60K tokens,
+  else on its decode worker.
 
 One row is not a router strategy but a ceiling: `ceiling-first-turns-elsewhere` gives first
 turns' prefill to hardware outside the pool (a cold prefill's time on an idle worker, then
@@ -103,6 +107,7 @@ class Rec:
     sent: float
     req: SimRequest
     worker: str | None = None
+    dispatched: float | None = None
     first: float | None = None
     end: float | None = None
     cached: int = 0
@@ -180,7 +185,7 @@ class Pace(Strategy):
 
     def __init__(self, hold_s: float = 0.0, balance: int | None = None) -> None:
         self.hold_s, self.balance = hold_s, balance
-        self.name = "pace" + (f"-balanced" if balance is not None else "")
+        self.name = "pace" + ("-balanced" if balance is not None else "")
         self.name += f"-hold-{hold_s:g}" if hold_s else ""
 
     def place_new(self, h: Loop, rec: Rec) -> str | None:
@@ -265,12 +270,28 @@ class Disaggregated(Strategy):
         decode: Sequence[str],
         overflow: int = 0,
         sjf_below: int = 0,
+        books: bool = False,
+        local_below: int = 0,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
-        self.sjf_below = sjf_below
+        self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
+        self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
+
+    def backlog(self, h: Loop, p: str) -> int:
+        """The engine's queued prefill, or with `books` what a router's books hold: every
+        prompt sent to `p` whose first token has not come back yet."""
+        if not self.books:
+            return h.queued(p)
+        self.sent[p] = [r for r in self.sent[p] if r.first is None]
+        return sum(r.prompt for r in self.sent[p])
 
     def place_new(self, h: Loop, rec: Rec) -> str | None:
-        if self.sjf_below and min(h.queued(p) for p in self.prefill) >= self.sjf_below:
+        staged = rec.prompt >= self.local_below
+        if (
+            staged
+            and self.sjf_below
+            and min(self.backlog(h, p) for p in self.prefill) >= (self.sjf_below)
+        ):
             return None
         return min(self.decode, key=lambda w: (len(h.inflight[w]), h.queued(w)))
 
@@ -280,10 +301,11 @@ class Disaggregated(Strategy):
         return sorted(held, key=lambda r: (r.turn == 0, r.prompt if r.turn == 0 else 0))
 
     def send(self, h: Loop, worker: str, rec: Rec) -> None:
-        if rec.turn != 0:
+        if rec.turn != 0 or rec.prompt < self.local_below:
             h.submit(worker, rec, rec.req)
             return
-        p = min(self.prefill, key=h.queued)
+        p = min(self.prefill, key=lambda x: self.backlog(h, x))
+        self.sent[p].append(rec)
         if self.overflow and h.queued(p) + rec.prompt > self.overflow:
             h.submit(worker, rec, rec.req)
             return
@@ -346,6 +368,17 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             out[f"pd-2p2d-sjf-{q // 1024}k"] = lambda q=q: Disaggregated(
                 f"pd-2p2d-sjf-{q // 1024}k", ws[:2], ws[2:], sjf_below=q
             )
+        out["pd-2p2d-books-32k-local-8k"] = lambda: Disaggregated(
+            "pd-2p2d-books-32k-local-8k",
+            ws[:2],
+            ws[2:],
+            sjf_below=32768,
+            books=True,
+            local_below=8192,
+        )
+        out["pd-2p2d-sjf-8k-local-8k"] = lambda: Disaggregated(
+            "pd-2p2d-sjf-8k-local-8k", ws[:2], ws[2:], sjf_below=8192, local_below=8192
+        )
         out["pd-1p-overflow"] = lambda: Disaggregated("pd-1p-overflow", ws[:1], ws[1:], 60_000)
     out["ceiling-first-turns-elsewhere"] = FirstTurnsElsewhere
     return out
@@ -483,6 +516,7 @@ class Loop:
                 keep.append(rec)
                 continue
             rec.worker = w
+            rec.dispatched = self.clock.now()
             self.home[rec.session] = w
             self.strategy.send(self, w, rec)
         self.held = keep
@@ -570,7 +604,9 @@ def search(args: argparse.Namespace, progress: Callable[[str], None] | None = No
     names = args.strategies.split(",") if args.strategies else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise SystemExit(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(table)}")
+        raise SystemExit(
+            f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(table)}"
+        )
     rows = []
     for name in names:
         runs = []
@@ -588,8 +624,15 @@ def search(args: argparse.Namespace, progress: Callable[[str], None] | None = No
             if progress:
                 progress(name)
         g = [r["goodput_rps"] for r in runs]
-        rows.append({"strategy": name, "goodput_mean": statistics.fmean(g), "goodput_min": min(g),
-                     "goodput_max": max(g), "runs": runs})
+        rows.append(
+            {
+                "strategy": name,
+                "goodput_mean": statistics.fmean(g),
+                "goodput_min": min(g),
+                "goodput_max": max(g),
+                "runs": runs,
+            }
+        )
     base = next((r["goodput_mean"] for r in rows if r["strategy"] == "least-queued"), None)
     for r in rows:
         r["vs_least_queued"] = r["goodput_mean"] / base if base else None
@@ -601,8 +644,17 @@ def print_table(rows: Sequence[dict], title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for c in ("strategy", "goodput r/s", "range", "× least-queued", "attain", "run s",
-              "TTFT p90", "continuing good/slow/late", "first good/slow/late"):
+    for c in (
+        "strategy",
+        "goodput r/s",
+        "range",
+        "× least-queued",
+        "attain",
+        "run s",
+        "TTFT p90",
+        "continuing good/slow/late",
+        "first good/slow/late",
+    ):
         t.add_column(c, justify="left" if c == "strategy" else "right")
     for r in rows:
         a = r["runs"][0]
@@ -668,13 +720,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Progress(transient=True) as bar:
         task = bar.add_task("strategies × seeds", total=n * args.seeds)
         rows = search(args, lambda _name: bar.advance(task))
-    title = (f"{args.sessions} sessions, {args.concurrency} agents, {args.workers} sim workers, "
-             f"budget {args.budget or 'profile'}, {args.seeds} seeds")
+    title = (
+        f"{args.sessions} sessions, {args.concurrency} agents, {args.workers} sim workers, "
+        f"budget {args.budget or 'profile'}, {args.seeds} seeds"
+    )
     print_table(rows, title)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                  for k, v in vars(args).items()},
-                                         "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    },
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         plot(rows, args.json.with_suffix(".png"), title)
     return 0
 

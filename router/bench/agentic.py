@@ -345,6 +345,7 @@ def _one_run(
             max_model_len=cfg.max_model_len,
             catch_up_s=cfg.catch_up_s,
             max_batched_tokens=cfg.max_batched_tokens,
+            prefill=spec.prefill_workers(cfg.workers),
         )
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)

@@ -209,6 +209,7 @@ class Worker:
     kv_events: str | None
     kv_replay: str | None
     pid: int
+    role: str = "both"
 
 
 def start_workers(
@@ -221,14 +222,24 @@ def start_workers(
     max_batched_tokens: int | None = None,
     ready_timeout_s: float = 120.0,
     tag: str = "w",
+    prefill: int = 0,
 ) -> list[Worker]:
-    """`n` fresh sim workers (SGLang surface, KV events on free loopback ports), in parallel."""
+    """`n` fresh sim workers (SGLang surface, KV events on free loopback ports), in parallel.
+    `prefill` > 0: the first `prefill` of them are started `--role prefill` (SGLang bootstrap
+    on a free port) and the rest `--role decode`, a disaggregated pool of the same `n`."""
+    if not 0 <= prefill < n or (prefill and n < 2):
+        raise ValueError(f"prefill workers: {prefill} of {n}; give 0 (colocated) or 1..{n - 1}")
     started = []
+    roles = ["both"] * n if not prefill else ["prefill"] * prefill + ["decode"] * (n - prefill)
     for i in range(n):
         argv = [beamserve_exe(), "worker", *SIM_ARGS, "--profile", profile,
                 "--host", "127.0.0.1", "--port", "0",
                 "--kv-events-endpoint", "tcp://127.0.0.1:0",
                 "--kv-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
+        if roles[i] != "both":
+            argv += ["--role", roles[i]]
+        if roles[i] == "prefill":
+            argv += ["--handshake-port", "0"]
         if max_model_len is not None:
             argv += ["--max-model-len", str(max_model_len)]
         if catch_up_s is not None:
@@ -237,12 +248,16 @@ def start_workers(
             argv += ["--max-num-batched-tokens", str(max_batched_tokens)]
         started.append(procs.start(f"{tag}{i}", argv))
     out = []
-    for p in started:
+    for p, role in zip(started, roles, strict=True):
         info = p.ready_line(ready_timeout_s)
         kv, replay = info.get("kv_events"), info.get("kv_replay")
         out.append(
             Worker(
-                str(info["url"]), str(kv) if kv else None, str(replay) if replay else None, p.pid
+                str(info["url"]),
+                str(kv) if kv else None,
+                str(replay) if replay else None,
+                p.pid,
+                role,
             )
         )
     return out
@@ -268,7 +283,9 @@ def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """One router under test: how to find it, start it and name it."""
+    """One router under test: how to find it, start it and name it. `prefill_share` > 0: the
+    run's workers are started as a disaggregated pool (that share prefill, at least one, the
+    rest decode) instead of colocated: the same processes and simulated GPUs, other roles."""
 
     name: str
     kind: str  # beamserve | smg | sglang-router | vllm-router
@@ -278,6 +295,14 @@ class RouterSpec:
     exe: Callable[[], str | None] = field(repr=False)
     ready_json: bool = False  # prints a JSON ready line with its url (beamserve)
     replicas: int = 1  # > 1: that many processes, one Redis, HAProxy in front (beamserve-xN)
+    prefill_share: float = 0.0  # > 0: that share of the workers started as prefill, rest decode
+    extra_args: tuple[str, ...] = ()  # more router flags (beamserve)
+
+    def prefill_workers(self, n: int) -> int:
+        """How many of `n` workers this router's runs start as prefill (0: colocated)."""
+        if self.prefill_share <= 0 or n < 2:
+            return 0
+        return min(n - 1, max(1, round(n * self.prefill_share)))
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (None: it can)."""
@@ -325,7 +350,7 @@ def _sglang_router_exe() -> str | None:
 def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> list[str]:
     endpoints = []
     for w in workers:
-        e: dict[str, Any] = {"url": w.url, "role": "both", "engine": "sim"}
+        e: dict[str, Any] = {"url": w.url, "role": w.role, "engine": "sim"}
         if w.kv_events:
             e["kv_events"] = w.kv_events
             e["kv_replay"] = w.kv_replay
@@ -335,7 +360,15 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
     # No --hash-scheme: each worker reports its own (the sim's surfaces hash and publish KV
     # events as vLLM does), and a flag that disagreed would only log a geometry mismatch.
     return [exe, "router", "--host", "127.0.0.1", "--port", "0",
-            "--endpoints", json.dumps(endpoints), "--policy", spec.policy]  # fmt: skip
+            "--endpoints", json.dumps(endpoints), "--policy", spec.policy,
+            *spec.extra_args]  # fmt: skip
+
+
+# `beamserve-2p2d`'s P/D rule: only prompts with 8,192 or more uncached tokens go to the prefill
+# workers (the default rule's 2,048 also sends mid-sized continuing parts and short first turns
+# there, where they queue behind long cold prompts; docs/bench/agentic.md, "A disaggregated pool
+# at the knee").
+PD_RULE_FIRST_TURNS = ("--disaggregation", json.dumps({"min_uncached_tokens": 8192}))
 
 
 def _baseline_exe() -> str | None:
@@ -368,6 +401,9 @@ def _router_specs() -> dict[str, RouterSpec]:
     specs = [
         RouterSpec("beamserve", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True),
+        RouterSpec("beamserve-2p2d", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
+                   extra_args=PD_RULE_FIRST_TURNS),
         RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",

@@ -73,6 +73,23 @@ room. Contract:
   large item; new work in a levelled spell) read the pool (`peers_busy`: a peer has requests
   in flight or continuing turns queued), or a replica whose own requests happen to have all
   finished would let new sessions in ahead of the continuing turns queued at the others.
+* **The prefill stage of a disaggregated pool** (`prefill_stage`, set by the router when it has
+  prefill workers; `prefill_gate_tokens`, default 32,768). There, a new session's long first
+  prompt is prefilled on a prefill worker, and its decode worker waits for the KV (SGLang's
+  handoff sends both legs at once and gives up after its KV deadline, 10 s on the sim, then
+  prefills again itself). First-in first-out into the prefill workers' own queues makes every
+  first turn wait the whole backlog: over HTTP at 64 agents on 2 prefill + 2 decode workers
+  the first turns' TTFT p50 was 12.5 s and 86 decode legs gave up and prefilled again. So the
+  router keeps that queue: an item of a lower band whose cost is at least the stage's
+  `min_tokens` (the requests the P/D rule splits) is dispatched only while some healthy
+  prefill worker has less than `prefill_gate_tokens` of prefill in flight (the router's own
+  books, and the engine's queue while the scrape is fresh; items dispatched and not yet routed
+  count against the worker with the most room), and while the stage gates, the band goes
+  **shortest first** (by cost; items that waited `lifo_max_wait_s` go first, oldest first, so
+  none starves). Shortest first is what a single server's queue does to minimise the mean wait,
+  and it is what lets most first turns meet a 2 s TTFT at all: on virtual time
+  (`scripts/knee-search.py`) the same pool gave 12 of 192 first turns in time first-in
+  first-out and 104–111 shortest first. Without prefill workers nothing of this applies.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -157,6 +174,7 @@ class FlowConfig(BaseModel):
     | `hold_continuing` | ``false`` | the saturation gate holds continuing turns too |
     | `lifo_after_s` | ``2`` | oldest item waited this long: newest first from then (null: off) |
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
+    | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -173,6 +191,7 @@ class FlowConfig(BaseModel):
     hold_continuing: bool = False
     lifo_after_s: float | None = Field(default=2.0, ge=0)
     lifo_max_wait_s: float = Field(default=30.0, gt=0)
+    prefill_gate_tokens: int | None = Field(default=32768, ge=1)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
@@ -227,6 +246,16 @@ class _Item:
     ticket: Ticket | None = field(default=None)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillStage:
+    """The prefill workers of a disaggregated pool, as the gate sees them (module docstring,
+    "The prefill stage"): `loads()` gives their current loads (an empty list: no stage now);
+    items cheaper than `min_tokens` are not split by the P/D rule and pass ungated."""
+
+    loads: Callable[[], list[WorkerLoad]]
+    min_tokens: int = 0
+
+
 class Ticket:
     """Permission to dispatch one request. Release it exactly once when the request ends
     (repeat calls do nothing); ``async with ticket:`` releases on exit with `cost_tokens` as
@@ -242,12 +271,18 @@ class Ticket:
         self.waited_s = waited_s
         self.released = False
 
+    def routed(self) -> None:
+        """The request was routed and its load booked (`RoutingCore.route` calls this): the
+        prefill stage now sees it in the workers' loads."""
+        self._controller._unrouted.pop(self, None)
+
     def release(self, service_tokens: int | None = None) -> None:
         """Return this request's room; credit its tenant `service_tokens` (default:
         `cost_tokens`; see `fairness.service_tokens`)."""
         if self.released:
             return
         self.released = True
+        self._controller._unrouted.pop(self, None)
         served = self.cost_tokens if service_tokens is None else service_tokens
         self._controller._on_release(self, served)
 
@@ -314,6 +349,10 @@ class FlowController:
         self.older_peers: Callable[[Band, float], int] | None = None
         self._reported_heads: dict[Band, float | None] = {}
         self._heads_stale = False  # a queue or a tenant's service changed since the report
+        # The prefill stage of a P/D pool (module docstring), and the costs of the items it let
+        # through that are not routed yet (their load is not in the workers' books).
+        self.prefill_stage: PrefillStage | None = None
+        self._unrouted: dict[Ticket, int] = {}
 
     # --- public --------------------------------------------------------------------------------
 
@@ -457,11 +496,45 @@ class FlowController:
         tenants = self._queues[band]
         if not tenants:
             return None
+        if band != "continuing" and self._stage_gating():
+            return self._shortest(band, now)
         if self._lifo(band, now):
             tenant = min(tenants, key=lambda t: (self._service.value(t, now), -tenants[t][-1].seq))
             return tenants[tenant][-1]
         tenant = min(tenants, key=lambda t: (self._service.value(t, now), tenants[t][0].seq))
         return tenants[tenant][0]
+
+    def _stage_gating(self) -> bool:
+        """A prefill stage is set, has workers, and the gate is on."""
+        stage = self.prefill_stage
+        if stage is None or self.config.prefill_gate_tokens is None:
+            return False
+        return bool(stage.loads())
+
+    def _shortest(self, band: Band, now: float) -> _Item:
+        """Shortest first (module docstring, "The prefill stage"): the cheapest item, oldest
+        among equals; items that waited `lifo_max_wait_s` (or half the TTL) first, oldest first."""
+        items = [it for q in self._queues[band].values() for it in q]
+        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        overdue = [it for it in items if now - it.enqueued_at >= rescue]
+        if overdue:
+            return min(overdue, key=lambda it: it.seq)
+        return min(items, key=lambda it: (it.cost, it.seq))
+
+    def _stage_open(self) -> bool:
+        """Some healthy prefill worker has room under `prefill_gate_tokens`, after the items
+        let through but not routed yet each take the room of the worker with the most."""
+        stage, gate = self.prefill_stage, self.config.prefill_gate_tokens
+        if stage is None or gate is None:
+            return True
+        rooms = sorted(
+            (gate - w.effective_prefill_tokens for w in stage.loads() if w.healthy), reverse=True
+        )
+        for _cost in self._unrouted.values():
+            if not rooms:
+                break
+            rooms.pop(0)  # an unrouted item fills the roomiest worker (it would go there)
+        return any(r > 0 for r in rooms)
 
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest
@@ -497,6 +570,14 @@ class FlowController:
                 self._drop(item, _CANCELLED)
                 self._cancelled[item.band] += 1
                 continue
+            staged = (
+                item.band != "continuing"
+                and self.prefill_stage is not None
+                and item.cost >= self.prefill_stage.min_tokens
+                and self._stage_gating()
+            )
+            if staged and not self._stage_open():
+                break  # the prefill workers are busy: shortest first when one has room
             if item.band == "continuing" and not held:
                 pass  # never held by the gate (module docstring, "Saturation gate")
             elif saturated:
@@ -518,6 +599,8 @@ class FlowController:
             ):
                 break  # older sessions queued at peers go first (module docstring)
             self._dispatch(item, now)
+            if staged and item.ticket is not None:
+                self._unrouted[item.ticket] = item.cost
             if admitted is not None:
                 admitted(item.cost)
         self._arm_timer()

@@ -240,6 +240,34 @@ def test_self_contained_run_through_the_beamserve_router(
     assert "**Concurrency 1**" in text and "| beamserve | 8/8 | 0 |" in text
 
 
+def test_a_2p2d_run_starts_the_same_workers_as_prefill_and_decode_and_splits_first_turns(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    """`beamserve-2p2d`: half the run's workers prefill, half decode; the router learns the
+    roles and splits the long cold first turns, with no fallback."""
+    out = tmp_path / "pd.json"
+    r = beamserve(
+        "bench", "agentic", "--routers", "beamserve-2p2d", "--workers", "4", "--sessions", "3",
+        "--max-turns", "3", "--concurrency", "3", "--token-scale", "0.25", "--think-scale", "0",
+        "--json", str(out), "--logs", str(tmp_path / "logs"), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["ok"] == row["requests"] == 9 and row["errors"] == {}
+    logs = tmp_path / "logs" / "beamserve-2p2d-c3"
+    roles = [json.loads((logs / f"w{i}.out").read_text().splitlines()[0])["role"] for i in range(4)]
+    assert roles == ["prefill", "prefill", "decode", "decode"]
+    decisions = [
+        json.loads(x)
+        for x in (logs / "beamserve-2p2d.err").read_text().splitlines()
+        if '"router.decision"' in x
+    ]
+    first = [d for d in decisions if d["band"] == "new" and d["prompt_tokens"] >= 8192]
+    assert first and all(d["prefill"] is not None for d in first)
+    for w in ("w2", "w3"):  # no decode worker gave up waiting for its KV
+        assert "kv_transfer_failed" not in (logs / f"{w}.err").read_text()
+
+
 def test_two_router_replicas_behind_haproxy_share_sessions(
     beamserve: RunBeamserve, tmp_path: Path
 ) -> None:

@@ -240,3 +240,39 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it(
     assert "at least" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages"
     assert_books_empty(router)
+
+
+def test_a_prompt_burst_on_a_pd_pool_queues_in_the_router_not_past_the_kv_deadline(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """SGLang's handoff sends both legs at once and the decode worker waits only its KV
+    deadline (1 s here). A burst of long cold prompts into one prefill worker's own queue
+    would make the later ones wait longer and be prefilled twice; the flow controller's
+    prefill stage keeps them in the router instead and lets them go shortest first, so every
+    one is handed over and none falls back."""
+    p = spawn_worker("--engine", "sim", "--role", "prefill", "--api", "sglang", *EVENTS)
+    d = spawn_worker(
+        "--engine", "sim", "--role", "decode", "--api", "sglang", "--kv-deadline-s", "1", *EVENTS
+    )
+    eps = [spec(p, "prefill"), spec(d, "decode")]
+    router = spawn_worker("--endpoints", json.dumps(eps), command="router")
+    url = router.url + "/v1/chat/completions"
+    sizes = [9000, 3000, 7000, 4000, 8000, 5000, 6000, 9500]  # words; ≈ 2 tokens each
+    results: dict[int, tuple[int, float]] = {}
+
+    def send(i: int, words: int) -> None:
+        cold = " ".join(f"b{i}w{j}" for j in range(words))
+        t0 = time.monotonic()
+        r = httpx.post(url, json=chat(cold), headers={"x-session-id": f"burst{i}"}, timeout=120)
+        results[i] = (r.status_code, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=send, args=(i, n)) for i, n in enumerate(sizes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(status == 200 for status, _ in results.values()), results
+    assert metric(d.url, "beamserve_worker_kv_recompute_fallbacks_total") == 0
+    assert metric(router.url, "beamserve_router_pd_fallbacks_total") == 0
+    assert metric(d.url, "beamserve_worker_kv_transfers_total") == len(sizes)
+    assert_books_empty(router)

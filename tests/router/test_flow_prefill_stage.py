@@ -1,0 +1,188 @@
+"""The flow controller's prefill stage (P/D pools): new sessions' long prompts are held while
+every prefill worker is busy and go shortest first when one has room; short prompts,
+continuing turns and colocated pools are untouched; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from beamserve.router.flow import FlowConfig, FlowController, PrefillStage, Ticket
+from beamserve.router.types import WorkerLoad
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Open:
+    """A saturation signal that never saturates."""
+
+    def saturated(self, now: float) -> bool:
+        return False
+
+
+class Pool:
+    """Prefill workers' in-flight prefill tokens, as the router's books would say."""
+
+    def __init__(self, *tokens: int) -> None:
+        self.tokens = list(tokens)
+
+    def loads(self) -> list[WorkerLoad]:
+        return [WorkerLoad(prefill_tokens=t) for t in self.tokens]
+
+
+def make(pool: Pool | None, min_tokens: int = 2048, **config: Any) -> FlowController:
+    c = FlowController(FlowConfig(**config), saturation=Open(), clock=FakeClock())
+    if pool is not None:
+        c.prefill_stage = PrefillStage(pool.loads, min_tokens)
+    return c
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_long_first_prompts_wait_while_every_prefill_worker_is_busy() -> None:
+    async def main() -> None:
+        pool = Pool(33000, 40000)  # both over the 32,768 default
+        c = make(pool)
+        held = asyncio.ensure_future(c.admit("new", "s1", 30000))
+        await settle()
+        assert not held.done() and c.stats().queued["new"] == 1
+        pool.tokens[0] = 100  # that prefill finished
+        c.poll()
+        await settle()
+        assert held.done()
+        held.result().release()
+
+    asyncio.run(main())
+
+
+def test_short_prompts_and_continuing_turns_pass_a_busy_stage() -> None:
+    async def main() -> None:
+        c = make(Pool(50000, 50000))
+        short = await asyncio.wait_for(c.admit("new", "s1", 1000), 1)  # not split by P/D
+        cont = await asyncio.wait_for(c.admit("continuing", "s2", 30000), 1)
+        short.release()
+        cont.release()
+
+    asyncio.run(main())
+
+
+def test_held_prompts_go_shortest_first() -> None:
+    async def main() -> None:
+        pool = Pool(50000)
+        c = make(pool)
+        sizes = [40000, 5000, 22000, 3000, 61000]
+        futs = {n: asyncio.ensure_future(c.admit("new", f"s{n}", n)) for n in sizes}
+        await settle()
+        order: list[int] = []
+        pool.tokens[0] = 0
+        for _ in sizes:
+            c.poll()
+            await settle()
+            done = [n for n, f in futs.items() if f.done() and n not in order]
+            assert len(done) == 1, done  # one at a time: the routed one fills the worker
+            order.append(done[0])
+            ticket: Ticket = futs[done[0]].result()
+            ticket.routed()  # booked: the worker shows it …
+            pool.tokens[0] = done[0]
+            ticket.release()
+            pool.tokens[0] = 0  # … and finishes it
+        assert order == sorted(sizes)
+
+    asyncio.run(main())
+
+
+def test_an_item_let_through_holds_its_worker_until_routed() -> None:
+    async def main() -> None:
+        c = make(Pool(0))  # one idle prefill worker
+        first = await asyncio.wait_for(c.admit("new", "a", 30000), 1)
+        second = asyncio.ensure_future(c.admit("new", "b", 30000))
+        await settle()
+        assert not second.done()  # the first is not in the books yet, but counts
+        first.release()  # gone without being routed (a refusal): its room is back
+        c.poll()
+        await settle()
+        assert second.done()
+        second.result().release()
+
+    asyncio.run(main())
+
+
+def test_overdue_items_go_first_whatever_their_size() -> None:
+    async def main() -> None:
+        pool = Pool(50000)
+        c = make(pool, lifo_after_s=2.0, lifo_max_wait_s=30.0)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        big = asyncio.ensure_future(c.admit("new", "big", 60000))
+        await settle()
+        clock.t += 31
+        small = asyncio.ensure_future(c.admit("new", "small", 3000))
+        await settle()
+        pool.tokens[0] = 0
+        c.poll()
+        await settle()
+        assert big.done() and not small.done()
+        big.result().release()
+        small.cancel()
+        await settle()
+
+    asyncio.run(main())
+
+
+def test_a_colocated_pool_or_a_gate_turned_off_changes_nothing() -> None:
+    async def main() -> None:
+        for c in (make(Pool()), make(None), make(Pool(90000), prefill_gate_tokens=None)):
+            t = await asyncio.wait_for(c.admit("new", "s", 60000), 1)
+            t.release()
+            assert c.stats().in_flight == 0
+
+    asyncio.run(main())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 80000), min_size=1, max_size=12),
+    busy=st.lists(st.integers(0, 40000), min_size=1, max_size=3),
+    cancel=st.sets(st.integers(0, 11)),
+)
+def test_every_item_is_admitted_or_cancelled_and_the_books_return_to_zero(
+    sizes: list[int], busy: list[int], cancel: set[int]
+) -> None:
+    """Whatever the sizes, the stage's load and cancellations: once the prefill workers are
+    free every item left goes through, each exactly once, and nothing stays counted."""
+
+    async def main() -> None:
+        pool = Pool(*busy)
+        c = make(pool)
+        futs = [asyncio.ensure_future(c.admit("new", f"s{i}", n)) for i, n in enumerate(sizes)]
+        await settle()
+        for i in cancel:
+            if i < len(futs) and not futs[i].done():
+                futs[i].cancel()
+        await settle()
+        pool.tokens = [0] * len(busy)
+        for _ in range(len(sizes) + 1):
+            c.poll()
+            await settle()
+            for f in futs:
+                if f.done() and not f.cancelled():
+                    t = f.result()
+                    t.routed()
+                    t.release()
+        assert all(f.done() for f in futs)
+        s = c.stats()
+        assert s.queued["new"] == 0 and s.in_flight == 0 and s.in_flight_tokens == 0
+        assert s.admitted["new"] + s.cancelled["new"] == len(sizes)
+        assert not c._unrouted
+
+    asyncio.run(main())
