@@ -242,20 +242,23 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it(
     assert_books_empty(router)
 
 
+@pytest.mark.parametrize("gate", [8192, None])
 def test_a_prompt_burst_on_a_pd_pool_queues_in_the_router_not_past_the_kv_deadline(
-    spawn_worker: SpawnWorker,
+    spawn_worker: SpawnWorker, gate: int | None
 ) -> None:
     """SGLang's handoff sends both legs at once and the decode worker waits only its KV
     deadline (1 s here). A burst of long cold prompts into one prefill worker's own queue
-    would make the later ones wait longer and be prefilled twice; the flow controller's
-    prefill stage keeps them in the router instead and lets them go shortest first, so every
-    one is handed over and none falls back."""
+    makes the later ones wait longer and be prefilled twice (gate off: `None`); the flow
+    controller's prefill stage, with a gate under what the prefill worker does in that time,
+    keeps them in the router instead and lets them go shortest first, so every one is handed
+    over and none falls back."""
     p = spawn_worker("--engine", "sim", "--role", "prefill", "--api", "sglang", *EVENTS)
     d = spawn_worker(
         "--engine", "sim", "--role", "decode", "--api", "sglang", "--kv-deadline-s", "1", *EVENTS
     )
     eps = [spec(p, "prefill"), spec(d, "decode")]
-    router = spawn_worker("--endpoints", json.dumps(eps), command="router")
+    flow = json.dumps({"prefill_gate_tokens": gate})
+    router = spawn_worker("--endpoints", json.dumps(eps), "--flow", flow, command="router")
     url = router.url + "/v1/chat/completions"
     sizes = [9000, 3000, 7000, 4000, 8000, 5000, 6000, 9500]  # words; ≈ 2 tokens each
     results: dict[int, tuple[int, float]] = {}
@@ -272,7 +275,11 @@ def test_a_prompt_burst_on_a_pd_pool_queues_in_the_router_not_past_the_kv_deadli
     for t in threads:
         t.join()
     assert all(status == 200 for status, _ in results.values()), results
-    assert metric(d.url, "beamserve_worker_kv_recompute_fallbacks_total") == 0
+    fallbacks = metric(d.url, "beamserve_worker_kv_recompute_fallbacks_total")
+    if gate is None:
+        assert fallbacks > 0  # the burst queued in the prefill worker, past the deadline
+    else:
+        assert fallbacks == 0
+        assert metric(d.url, "beamserve_worker_kv_transfers_total") == len(sizes)
     assert metric(router.url, "beamserve_router_pd_fallbacks_total") == 0
-    assert metric(d.url, "beamserve_worker_kv_transfers_total") == len(sizes)
     assert_books_empty(router)
