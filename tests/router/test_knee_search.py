@@ -91,7 +91,7 @@ def test_held_first_turns_go_shortest_first(sessions) -> None:
     assert [r.prompt for r in held] == sorted(r.prompt for r in held)
 
 
-def test_the_ceiling_row_beats_every_router_strategy(sessions) -> None:
+def test_the_ceiling_row_beats_the_least_queued_baseline(sessions) -> None:
     base = ks.summarize(_run(sessions, "least-queued", concurrency=12)[1])
     ceiling = ks.summarize(_run(sessions, "ceiling-first-turns-elsewhere", concurrency=12)[1])
     assert ceiling["goodput_rps"] > base["goodput_rps"]
