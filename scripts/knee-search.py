@@ -16,7 +16,7 @@ what the bench counts: TTFT ≤ 2 s and output tokens over (end − first token)
 A strategy sees the whole state of every engine and the progress of every request in flight
 (more than a router behind HTTP sees), and it knows each answer's length (the bench's
 `max_tokens` is exactly what the sim generates). It may place a request, hold it (it is
-offered again every `--tick-s` and after every finished request), or send it in another
+offered again every 50 ms and after every finished request), or send it in another
 shape (prefix priming, a prefill/decode split with the sim's own KV-transfer time). Sessions
 stay on the worker they started on (the cache-hit ratio every row reaches is the workload's
 0.845), so the strategies differ in where and when new sessions' long first prompts are
