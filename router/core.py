@@ -381,11 +381,12 @@ class RoutingCore:
                 # every replica's index (each subscribes to the same events)
                 if added and self.on_predict is not None:
                     self.on_predict(ep.id, added, ttl)
+        uncached = self.uncached_tokens(
+            request, decision.expected_hit, self.geometry_of(prefill or decode)
+        )
         return self.loads.start(
             decision.decode.id,
-            self.uncached_tokens(
-                request, decision.expected_hit, self.geometry_of(prefill or decode)
-            ),
+            uncached,
             request.prompt_tokens + request.max_tokens,
-            decision.prefill.id if decision.prefill is not None else None,
+            prefill.id if prefill is not None else None,
         )

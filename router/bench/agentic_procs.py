@@ -227,7 +227,7 @@ def start_workers(
     """`n` fresh sim workers (SGLang surface, KV events on free loopback ports), in parallel.
     `prefill` > 0: the first `prefill` of them are started `--role prefill` (SGLang bootstrap
     on a free port) and the rest `--role decode`, a disaggregated pool of the same `n`."""
-    if not 0 <= prefill < n:
+    if not 0 <= prefill < n or (prefill and n < 2):
         raise ValueError(f"prefill workers: {prefill} of {n}; give 0 (colocated) or 1..{n - 1}")
     started = []
     roles = ["both"] * n if not prefill else ["prefill"] * prefill + ["decode"] * (n - prefill)

@@ -89,14 +89,7 @@ room. Contract:
   none starves). Shortest first is what a single server's queue does to minimise the mean wait,
   and it is what lets most first turns meet a 2 s TTFT at all: on virtual time
   (`scripts/knee-search.py`) the same pool gave 12 of 192 first turns in time first-in
-  first-out and 104–111 shortest first. Over HTTP beside the gateways (docs/bench/agentic.md,
-  "Every strategy on virtual time"), two runs at 64 agents: goodput 1.078 × and 1.026 × the
-  best gateway's, and no decode leg gave up. The gate's size, on the same pool in runs of its
-  own (one each, without the gateways): with the default split rule 8,192 gave 11.31 r/s and
-  32,768 11.94; splitting only prompts of 8,192 uncached tokens or more, 32,768 gave 12.64
-  and 65,536 12.70. Keep `prefill_gate_tokens` well under what a prefill
-  worker computes within the decode side's KV deadline (40K tokens/s × 10 s here), or decode
-  legs queued behind it give up. Without prefill workers nothing of this applies.
+  first-out and 104–111 shortest first. Without prefill workers nothing of this applies.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -281,7 +274,7 @@ class Ticket:
     def routed(self) -> None:
         """The request was routed and its load booked (`RoutingCore.route` calls this): the
         prefill stage now sees it in the workers' loads."""
-        self._controller._unrouted.discard(self)
+        self._controller._unrouted.pop(self, None)
 
     def release(self, service_tokens: int | None = None) -> None:
         """Return this request's room; credit its tenant `service_tokens` (default:
@@ -289,7 +282,7 @@ class Ticket:
         if self.released:
             return
         self.released = True
-        self._controller._unrouted.discard(self)
+        self._controller._unrouted.pop(self, None)
         served = self.cost_tokens if service_tokens is None else service_tokens
         self._controller._on_release(self, served)
 
@@ -356,12 +349,10 @@ class FlowController:
         self.older_peers: Callable[[Band, float], int] | None = None
         self._reported_heads: dict[Band, float | None] = {}
         self._heads_stale = False  # a queue or a tenant's service changed since the report
-        # The prefill stage of a P/D pool (module docstring); the tickets of the items it let
-        # through that are not routed yet (their load is not in the workers' books); and the
-        # prefill workers' loads as this pump sees them (None: no stage is gating).
+        # The prefill stage of a P/D pool (module docstring), and the costs of the items it let
+        # through that are not routed yet (their load is not in the workers' books).
         self.prefill_stage: PrefillStage | None = None
-        self._unrouted: set[Ticket] = set()
-        self._stage_loads: list[WorkerLoad] | None = None
+        self._unrouted: dict[Ticket, int] = {}
 
     # --- public --------------------------------------------------------------------------------
 
@@ -505,7 +496,7 @@ class FlowController:
         tenants = self._queues[band]
         if not tenants:
             return None
-        if band != "continuing" and self._stage_loads is not None:
+        if band != "continuing" and self._stage_gating():
             return self._shortest(band, now)
         if self._lifo(band, now):
             tenant = min(tenants, key=lambda t: (self._service.value(t, now), -tenants[t][-1].seq))
@@ -513,13 +504,12 @@ class FlowController:
         tenant = min(tenants, key=lambda t: (self._service.value(t, now), tenants[t][0].seq))
         return tenants[tenant][0]
 
-    def _read_stage(self) -> list[WorkerLoad] | None:
-        """The prefill workers' loads, once per pump; None when no stage is set, the gate is
-        off, or the pool has no prefill worker now."""
+    def _stage_gating(self) -> bool:
+        """A prefill stage is set, has workers, and the gate is on."""
         stage = self.prefill_stage
         if stage is None or self.config.prefill_gate_tokens is None:
-            return None
-        return stage.loads() or None
+            return False
+        return bool(stage.loads())
 
     def _shortest(self, band: Band, now: float) -> _Item:
         """Shortest first (module docstring, "The prefill stage"): the cheapest item, oldest
@@ -531,14 +521,20 @@ class FlowController:
             return min(overdue, key=lambda it: it.seq)
         return min(items, key=lambda it: (it.cost, it.seq))
 
-    def _stage_open(self, loads: list[WorkerLoad]) -> bool:
-        """Some healthy prefill worker has room under `prefill_gate_tokens`, after the items let
-        through but not routed yet each take the roomiest worker (where they would go)."""
-        gate = self.config.prefill_gate_tokens or 0
+    def _stage_open(self) -> bool:
+        """Some healthy prefill worker has room under `prefill_gate_tokens`, after the items
+        let through but not routed yet each take the room of the worker with the most."""
+        stage, gate = self.prefill_stage, self.config.prefill_gate_tokens
+        if stage is None or gate is None:
+            return True
         rooms = sorted(
-            (gate - w.effective_prefill_tokens for w in loads if w.healthy), reverse=True
+            (gate - w.effective_prefill_tokens for w in stage.loads() if w.healthy), reverse=True
         )
-        return any(r > 0 for r in rooms[len(self._unrouted) :])
+        for _cost in self._unrouted.values():
+            if not rooms:
+                break
+            rooms.pop(0)  # an unrouted item fills the roomiest worker (it would go there)
+        return any(r > 0 for r in rooms)
 
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest
@@ -569,18 +565,19 @@ class FlowController:
         admitted = getattr(self.saturation, "admitted", None)
         peers_busy = self.peers_busy
         held = self.config.hold_continuing
-        self._stage_loads = stage_loads = self._read_stage()
-        min_tokens = self.prefill_stage.min_tokens if self.prefill_stage is not None else 0
         while (item := self._next_item(now)) is not None:
             if item.future.cancelled():  # caller gone; its handler has not run yet
                 self._drop(item, _CANCELLED)
                 self._cancelled[item.band] += 1
                 continue
-            staged = False
-            if stage_loads is not None and item.band != "continuing" and item.cost >= min_tokens:
-                if not self._stage_open(stage_loads):
-                    break  # the prefill workers are busy: shortest first when one has room
-                staged = True
+            staged = (
+                item.band != "continuing"
+                and self.prefill_stage is not None
+                and item.cost >= self.prefill_stage.min_tokens
+                and self._stage_gating()
+            )
+            if staged and not self._stage_open():
+                break  # the prefill workers are busy: shortest first when one has room
             if item.band == "continuing" and not held:
                 pass  # never held by the gate (module docstring, "Saturation gate")
             elif saturated:
@@ -603,7 +600,7 @@ class FlowController:
                 break  # older sessions queued at peers go first (module docstring)
             self._dispatch(item, now)
             if staged and item.ticket is not None:
-                self._unrouted.add(item.ticket)
+                self._unrouted[item.ticket] = item.cost
             if admitted is not None:
                 admitted(item.cost)
         self._arm_timer()
