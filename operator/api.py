@@ -332,6 +332,10 @@ class DisaggregationSpec(_Model):
     """False: never disaggregate (every request prefills on its decode worker)."""
     min_uncached_tokens: Annotated[int, Field(ge=0)] = 2048
     max_cached_ratio: Annotated[float, Field(ge=0, le=1)] = 0.7
+    keep_warm_local: bool = False
+    """True: a turn routed to the decode worker that holds its session is prefilled there,
+    whatever the size of its new part (a prefill worker would recompute the whole context);
+    only new sessions' prompts go to the prefill pool."""
 
 
 class FlowControlSpec(_Model):

@@ -75,6 +75,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "enabled": config.disaggregation.enabled,
             "min_uncached_tokens": config.disaggregation.min_uncached_tokens,
             "max_cached_ratio": config.disaggregation.max_cached_ratio,
+            "keep_warm_local": config.disaggregation.keep_warm_local,
         },
         "flow": {
             "max_queued": config.flow_control.max_queued,

@@ -510,7 +510,9 @@ class Router:
 
     async def _unary(self, turn: _Turn, d: RouteDecision) -> Response:
         api, _dialect, parsed, call, dispatch = turn
-        upstream = await self.upstreams.unary(d, call, self._on_pd_fallback)
+        upstream = await self.upstreams.unary(
+            d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch)
+        )
         self.core.first_token(dispatch)
         upstream.pop("kv_transfer_params", None)
         usage = upstream.get("usage") or {}
@@ -527,7 +529,9 @@ class Router:
     async def _stream(self, turn: _Turn, d: RouteDecision) -> Response:
         api, dialect, parsed, call, dispatch = turn
         rreq = dispatch.request
-        chunks = await self.upstreams.stream(d, call, self._on_pd_fallback)
+        chunks = await self.upstreams.stream(
+            d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch)
+        )
         model = parsed.model or self.settings.served_models[0]
         translator = translator_for(
             api,

@@ -265,6 +265,25 @@ class RoutingCore:
             if self.on_prefill_done is not None and d.decision and d.decision.prefill is not None:
                 self.on_prefill_done()
 
+    def prefill_hook(self, d: Dispatch) -> Callable[[], None]:
+        """What to call when the prefill leg of `d`'s current attempt answers (the prefill
+        worker computed the prompt): its booking on the prefill worker ends then, and
+        `on_prefill_done` hears of it, so the flow gate's prefill stage sees the room before the
+        decode worker's first token. A late call (another attempt, a closed dispatch) does
+        nothing."""
+        flight = d.flight
+
+        def done() -> None:
+            if d.phase != "dispatched" or flight is None or d.flight is not flight:
+                return
+            if d.decision is None or d.decision.prefill is None:
+                return
+            self.loads.prefill_leg_done(flight)
+            if self.on_prefill_done is not None:
+                self.on_prefill_done()
+
+        return done
+
     def _release_flight(self, d: Dispatch) -> None:
         if d.flight is not None:
             self.loads.finish(d.flight)

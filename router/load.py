@@ -345,6 +345,7 @@ class Flight:
     prefilling: bool = True
     done: bool = False
     prefill_worker: str | None = None
+    prefill_released: bool = False  # the prefill worker's part ended (`prefill_leg_done`)
 
 
 @dataclass
@@ -426,16 +427,32 @@ class LoadBook:
             if f.prefill_worker is not None:
                 changed(f.prefill_worker)
 
-    def first_token(self, f: Flight) -> None:
-        """The prefill part is done: its context now loads the decode worker."""
-        if not f.prefilling or f.done:
+    def _release_prefill(self, f: Flight) -> None:
+        if f.prefill_released:
             return
-        f.prefilling = False
+        f.prefill_released = True
         p = self._w(f.prefill_worker or f.worker)
         p.prefill_tokens -= f.prefill_tokens
         p.prefilling -= 1
         if f.prefill_worker is not None:
             p.in_flight -= 1
+
+    def prefill_leg_done(self, f: Flight) -> None:
+        """A split request's prefill leg answered: the prefill worker has computed the prompt,
+        so its booking there ends now, before the decode worker's first token (which comes
+        after the KV moved and the decode worker's next step). The decode worker's context is
+        booked at `first_token` as usual. No-op for a local prefill or a finished flight."""
+        if f.prefill_worker is None or not f.prefilling or f.done:
+            return
+        self._release_prefill(f)
+        self._changed(f)
+
+    def first_token(self, f: Flight) -> None:
+        """The prefill part is done: its context now loads the decode worker."""
+        if not f.prefilling or f.done:
+            return
+        f.prefilling = False
+        self._release_prefill(f)
         d = self._w(f.worker)
         d.decode_tokens += f.context_tokens
         d.decoding += 1
@@ -445,11 +462,7 @@ class LoadBook:
         if f.done:
             return
         if f.prefilling:
-            p = self._w(f.prefill_worker or f.worker)
-            p.prefill_tokens -= f.prefill_tokens
-            p.prefilling -= 1
-            if f.prefill_worker is not None:
-                p.in_flight -= 1
+            self._release_prefill(f)
         else:
             d = self._w(f.worker)
             d.decode_tokens -= f.context_tokens

@@ -42,6 +42,7 @@ from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
+PrefillDoneHook = Callable[[], None]  # the prefill leg answered (`RoutingCore.prefill_done`)
 # Worker calls are encoded with orjson (a 100K-token conversation is ~0.5 MB of JSON).
 JSON_HEADERS = {"content-type": "application/json"}
 KEEPALIVE_S = 4.0
@@ -258,9 +259,14 @@ class Upstreams:
         return min(options, key=lambda e: self.loads.load(e.id).prefill_tokens)
 
     async def _decode_body(
-        self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
+        self,
+        d: RouteDecision,
+        call: UpstreamCall,
+        on_fallback: FallbackHook,
+        on_prefill_done: PrefillDoneHook | None = None,
     ) -> dict[str, Any]:
-        """The decode leg's body, after the prefill leg (vLLM) or with it started (SGLang)."""
+        """The decode leg's body, after the prefill leg (vLLM) or with it started (SGLang).
+        `on_prefill_done` is called when the prefill leg answers successfully."""
         body = dict(call.body)
         prefill = d.prefill
         if prefill is None:
@@ -270,7 +276,9 @@ class Upstreams:
             leg = sglang_prefill_leg_body(body, boot)
             task = asyncio.create_task(self.post(prefill, call.path, leg, self.prefill_timeout_s))
             self._background.add(task)
-            task.add_done_callback(lambda t: self._sglang_prefill_done(t, prefill, on_fallback))
+            task.add_done_callback(
+                lambda t: self._sglang_prefill_done(t, prefill, on_fallback, on_prefill_done)
+            )
             return {**body, **boot}
         tried: set[str] = set()
         ep: Endpoint | None = prefill
@@ -278,6 +286,8 @@ class Upstreams:
             try:
                 params = await self.prefill_leg(ep, call)
                 self.loads.succeeded(ep.id)
+                if on_prefill_done is not None and ep.id == prefill.id:
+                    on_prefill_done()
                 return {**body, "kv_transfer_params": params}
             except UpstreamError as err:
                 log.warning("router.prefill_failed", worker=ep.id, error=str(err))
@@ -288,7 +298,11 @@ class Upstreams:
         return body
 
     def _sglang_prefill_done(
-        self, task: asyncio.Task[Any], ep: Endpoint, on_fallback: FallbackHook
+        self,
+        task: asyncio.Task[Any],
+        ep: Endpoint,
+        on_fallback: FallbackHook,
+        on_prefill_done: PrefillDoneHook | None = None,
     ) -> None:
         self._background.discard(task)
         if task.cancelled():
@@ -296,15 +310,21 @@ class Upstreams:
         exc = task.exception()
         if exc is None:
             self.loads.succeeded(ep.id)
+            if on_prefill_done is not None:
+                on_prefill_done()
         else:
             log.warning("router.sglang_prefill_failed", worker=ep.id, error=str(exc))
             on_fallback("prefill_failed", ep.id)
 
     # --- public ----------------------------------------------------------------------------------
     async def unary(
-        self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
+        self,
+        d: RouteDecision,
+        call: UpstreamCall,
+        on_fallback: FallbackHook,
+        on_prefill_done: PrefillDoneHook | None = None,
     ) -> dict[str, Any]:
-        body = await self._decode_body(d, call, on_fallback)
+        body = await self._decode_body(d, call, on_fallback, on_prefill_done)
         answer = await self.post(d.decode, call.path, body, self.first_byte_timeout_s)
         if not isinstance(answer, dict):
             raise UpstreamError(d.decode.id, "protocol", "answer is not a JSON object")
@@ -315,9 +335,13 @@ class Upstreams:
         return float(self.timeout.sock_read or 0.0)
 
     async def stream(
-        self, d: RouteDecision, call: UpstreamCall, on_fallback: FallbackHook
+        self,
+        d: RouteDecision,
+        call: UpstreamCall,
+        on_fallback: FallbackHook,
+        on_prefill_done: PrefillDoneHook | None = None,
     ) -> UpstreamChunks:
-        body = await self._decode_body(d, call, on_fallback)
+        body = await self._decode_body(d, call, on_fallback, on_prefill_done)
         ep = d.decode
         try:
             resp = await self.http.post(

@@ -367,8 +367,12 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
 # `beamserve-2p2d`'s P/D rule: only prompts with 8,192 or more uncached tokens go to the prefill
 # workers (the default rule's 2,048 also sends mid-sized continuing parts and short first turns
 # there, where they queue behind long cold prompts; docs/bench/agentic.md, "A disaggregated pool
-# at the knee").
-PD_RULE_FIRST_TURNS = ("--disaggregation", json.dumps({"min_uncached_tokens": 8192}))
+# at the knee"), and a session's later turns stay on its decode worker whatever their size
+# (`keep_warm_local`: that worker holds the context a prefill worker would compute again).
+PD_RULE_FIRST_TURNS = (
+    "--disaggregation",
+    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
+)
 
 
 def _baseline_exe() -> str | None:

@@ -89,7 +89,13 @@ room. Contract:
   none starves). Shortest first is what a single server's queue does to minimise the mean wait,
   and it is what lets most first turns meet a 2 s TTFT at all: on virtual time
   (`scripts/knee-search.py`) the same pool gave 12 of 192 first turns in time first-in
-  first-out and 104–111 shortest first. Without prefill workers nothing of this applies.
+  first-out and 104–111 shortest first. The stage is such an item's only gate: the saturation
+  gate and the pool's pace (below) watch the decode workers, where its prefill does not run.
+  Holding split first turns there too left the prefill workers idle 12 % of the run while
+  first turns waited (HTTP, 64 agents, 2 prefill + 2 decode workers), and the run took 94 s
+  instead of 85 s. A split request's booking on its prefill worker ends when the prefill leg
+  answers (`RoutingCore.prefill_hook`), not at the decode worker's first token. Without
+  prefill workers nothing of this applies.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -580,6 +586,8 @@ class FlowController:
                 break  # the prefill workers are busy: shortest first when one has room
             if item.band == "continuing" and not held:
                 pass  # never held by the gate (module docstring, "Saturation gate")
+            elif staged:
+                pass  # its prefill runs on a prefill worker: the stage is its gate
             elif saturated:
                 busy = bool(self._in_flight) or (peers_busy is not None and peers_busy())
                 if levelled and item.band != "continuing" and busy:

@@ -20,6 +20,14 @@ short local prefill wins. With "either", a 100-token cold prompt (ratio 0) would
 which the issue's wording rules out. Dynamo's default (skip remote prefill when uncached < 2,048
 *and* uncached/total < 0.7) is ``require: either, max_cached_ratio: 0.3``.
 
+`keep_warm_local`: a request routed to the decode worker its session is bound to (the session
+store's warm worker: a continuing turn) is prefilled there, whatever the size of its new part.
+That worker holds the session's context; a prefill worker would prefill the whole prompt again
+(it does not hold the turns the decode worker ran) and take the time of the pool's new sessions.
+On the agentic bench (`bench agentic --routers beamserve-2p2d`, 64 agents) splitting such turns
+sent 0.86M of 5.25M prefill tokens to the prefill pool, its bottleneck, and the run took 100 s
+instead of 94–96 s (docs/bench/agentic.md).
+
 Only a decode worker that can receive a KV handoff (`Endpoint.receives_kv`: a decode-role worker,
 or what the worker itself reported) is ever disaggregated; a `both`-role pool is aggregated
 serving and is left alone.
@@ -36,6 +44,7 @@ the stable hash of the session/request id. No such worker → prefill locally.
 | `min_uncached_tokens` | ``2048`` | uncached tokens at or above which it goes remote |
 | `max_cached_ratio` | ``0.7`` | cached share of the prompt below which it goes remote |
 | `require` | ``"both"`` | ``"both"``: both tests must hold; ``"either"``: one suffices |
+| `keep_warm_local` | ``false`` | ``true``: a turn on its session's own worker prefills there |
 | `prefill_tok_s`, … | as `ttft` | the `ttft` parameters: cost of each prefill candidate |
 
 Block size and sliding window are no parameters: each worker's come from its KV geometry
@@ -74,6 +83,7 @@ class DisaggregationParams(TTFTParams):
     min_uncached_tokens: int = Field(default=2048, ge=0)
     max_cached_ratio: float = Field(default=0.7, ge=0.0, le=1.0)
     require: Require = "both"
+    keep_warm_local: bool = False
 
 
 def decide_disaggregation(
@@ -157,6 +167,10 @@ class ConditionalDisaggregation:
             return decision
         if not p.enabled:
             return replace(decision, explain=f"{decision.explain} | disagg=no (local prefill)")
+        if p.keep_warm_local and any(v.warm and v.endpoint.id == decode.id for v in views):
+            return replace(
+                decision, explain=f"{decision.explain} | disagg=no (the session's own worker)"
+            )
         # The decode worker's geometry: its hit is in its blocks.
         g = next((v.geometry for v in views if v.endpoint.id == decode.id), DEFAULT_GEOMETRY)
         if not decide_disaggregation(

@@ -49,12 +49,20 @@ def request(i: int, prompt: int) -> RouteRequest:
 
 
 # One outcome step: what a path may report about one dispatch, in any order, any number of times.
-STEP = st.sampled_from(["first", "retry", "finish", "fail", "refused", "cancel", "close"])
+STEP = st.sampled_from(
+    ["first", "retry", "finish", "fail", "refused", "cancel", "close", "prefill", "stale"]
+)
 
 
-def apply(core: RoutingCore, d: Dispatch, step: str) -> None:
+def apply(core: RoutingCore, d: Dispatch, step: str, hooks: list) -> None:
+    """`hooks`: the prefill-done hooks of `d`'s attempts so far (`prefill`: the latest one
+    fires; `stale`: the first attempt's fires, perhaps late)."""
     worker = d.decision.decode.id if d.decision else "x"
-    if step == "first":
+    if step == "prefill":
+        hooks[-1]()
+    elif step == "stale":
+        hooks[0]()
+    elif step == "first":
         core.first_token(d)
     elif step == "retry":
         core.retry(d, worker)
@@ -88,16 +96,19 @@ def test_any_outcome_sequence_returns_the_books_to_zero(
     dispatches = [core.open(request(i, p), t) for i, ((p, _), t) in pairs]
     steps = [(i, s) for i, (_, ss) in enumerate(plans) for s in ss]
     interleave.shuffle(steps)  # type: ignore[attr-defined]
+    hooks: list[list] = []
     for d in dispatches:
         core.route(d, endpoints)
+        hooks.append([core.prefill_hook(d)])
     for i, step in steps:
         d = dispatches[i]
         if d.phase == "admitted":  # after a retry: route again, as the HTTP door does
             try:
                 core.route(d, endpoints)
+                hooks[i].append(core.prefill_hook(d))
             except NoCandidates:  # every worker excluded: the door answers 503 and closes
                 core.close(d)
-        apply(core, d, step)
+        apply(core, d, step, hooks[i])
     for d in dispatches:
         core.close(d)  # what every path's `finally` does
     books_are_empty(core, endpoints)
@@ -122,6 +133,34 @@ def test_success_binds_the_session_and_credits_service() -> None:
     assert binding.turn_tokens == 5_010
     assert d.ticket is not None and d.ticket.service == 5_000 + 2 * 10  # type: ignore[attr-defined]
     assert core.finish(d, 10) is None  # already closed: nothing twice
+    books_are_empty(core, PREFILL + DECODE)
+
+
+def test_prefill_leg_answer_frees_the_prefill_worker_before_the_first_token() -> None:
+    """The prefill leg answered: the prefill worker's booking ends then (the flow gate's
+    prefill stage hears of it), and the decode worker takes the context at the first token.
+    A hook of an attempt that was retried does nothing to the next attempt's books."""
+    core = make_core()
+    heard: list[int] = []
+    core.on_prefill_done = lambda: heard.append(1)
+    d = open_routed(core, PREFILL + DECODE)
+    assert d.decision is not None and d.decision.prefill is not None
+    p, dec = d.decision.prefill.id, d.decision.decode.id
+    stale = core.prefill_hook(d)
+    core.retry(d, dec, worker_failed=False)
+    core.route(d, PREFILL + DECODE)
+    assert d.decision is not None and d.decision.prefill is not None
+    p = d.decision.prefill.id
+    stale()
+    assert core.loads.load(p).prefill_tokens == 5_000 and heard == []
+    core.prefill_hook(d)()
+    assert core.loads.load(p).prefill_tokens == 0 and core.loads.load(p).in_flight == 0
+    assert heard == [1]
+    assert core.loads.load(d.decision.decode.id).decode_tokens == 0
+    core.first_token(d)
+    assert core.loads.load(d.decision.decode.id).decode_tokens == 5_016
+    assert core.loads.load(p).prefill_tokens == 0  # not released twice
+    core.finish(d, 10)
     books_are_empty(core, PREFILL + DECODE)
 
 

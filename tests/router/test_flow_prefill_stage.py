@@ -38,8 +38,17 @@ class Pool:
         return [WorkerLoad(prefill_tokens=t) for t in self.tokens]
 
 
-def make(pool: Pool | None, min_tokens: int = 2048, **config: Any) -> FlowController:
-    c = FlowController(FlowConfig(**config), saturation=Open(), clock=FakeClock())
+class Saturated:
+    """A saturation signal that always saturates (the decode workers look full)."""
+
+    def saturated(self, now: float) -> bool:
+        return True
+
+
+def make(
+    pool: Pool | None, min_tokens: int = 2048, saturation: Any = None, **config: Any
+) -> FlowController:
+    c = FlowController(FlowConfig(**config), saturation=saturation or Open(), clock=FakeClock())
     if pool is not None:
         c.prefill_stage = PrefillStage(pool.loads, min_tokens)
     return c
@@ -73,6 +82,27 @@ def test_short_prompts_and_continuing_turns_pass_a_busy_stage() -> None:
         cont = await asyncio.wait_for(c.admit("continuing", "s2", 30000), 1)
         short.release()
         cont.release()
+
+    asyncio.run(main())
+
+
+def test_split_prompts_pass_the_saturation_gate_when_the_stage_has_room() -> None:
+    """With the pool saturated, a new session's prompt the P/D rule splits goes as soon as a
+    prefill worker has room (its prefill does not run on the saturated decode workers), while
+    one it does not split (local prefill) waits for the saturation gate's room."""
+
+    async def main() -> None:
+        c = make(Pool(0, 50000), saturation=Saturated())
+        blocker = await asyncio.wait_for(c.admit("continuing", "s0", 100), 1)  # one in flight
+        split = asyncio.ensure_future(c.admit("new", "s1", 30000))
+        local = asyncio.ensure_future(c.admit("new", "s2", 1000))
+        await settle()
+        assert split.done() and not local.done()
+        split.result().release()
+        blocker.release()
+        await settle()
+        assert local.done()  # room freed by the releases
+        local.result().release()
 
     asyncio.run(main())
 

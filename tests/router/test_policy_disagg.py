@@ -109,6 +109,25 @@ def test_apply_sets_prefill_and_expected_hit() -> None:
     assert off.apply(big, pol.route(big, views), views).prefill is None
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_warm_local_prefills_a_sessions_turn_on_its_own_worker(keep: bool) -> None:
+    """A continuing turn with a large new part, routed to the decode worker that holds its
+    session: split by the size rule, kept local with `keep_warm_local` (the prefill worker
+    would recompute the whole context). A new session's prompt is split either way."""
+    disagg = ConditionalDisaggregation.from_params({"keep_warm_local": keep})
+    pol = build_policy("sticky-until-saturated")
+    turn = request(25_000)
+    warm = [view("d1", role="decode", warm=True, blocks=60), view("p1", role="prefill")]
+    d = disagg.apply(turn, pol.route(turn, warm[:1]), warm)
+    assert d.decode.id == "d1"
+    assert (d.prefill is None) is keep
+    if keep:
+        assert "disagg=no (the session's own worker)" in d.explain
+    cold = [view("d1", role="decode"), view("p1", role="prefill")]
+    d = disagg.apply(turn, pol.route(turn, cold[:1]), cold)
+    assert d.prefill is not None and d.prefill.id == "p1"
+
+
 def test_disaggregation_params_are_strict() -> None:
     with pytest.raises(PolicyConfigError, match="unknown parameter 'min_uncached'"):
         ConditionalDisaggregation.from_params({"min_uncached": 10})

@@ -8,12 +8,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.models import parse_request
 from beamserve.router.discovery import parse_endpoint_specs
 from beamserve.router.load import LoadBook
 from beamserve.router.pd import Upstreams
-from beamserve.router.types import RouteDecision
+from beamserve.router.types import Endpoint, RouteDecision
 
 from tests.conftest import SpawnWorker
 from tests.router.test_router_e2e import SYSTEM, metric
@@ -57,3 +58,51 @@ def test_failed_prefill_leg_is_retried_on_a_pairing_prefill_worker(
     assert metric(d.url, "beamserve_worker_kv_transfers_total") == 1
     assert metric(alive.url, "vllm:prompt_tokens_total") > 0
     assert metric(other_rev.url, "vllm:prompt_tokens_total") == 0
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_prefill_done_hook_fires_once_when_the_prefill_leg_answers(
+    spawn_worker: SpawnWorker, api: str
+) -> None:
+    """`on_prefill_done` (what frees the prefill worker's booking for the flow gate) fires
+    exactly once per split request: vLLM style before the decode leg is sent (the prefill leg
+    is awaited first), SGLang style when the prefill leg started beside the decode leg answers;
+    never when the prefill leg fails (its worker is gone)."""
+    p = spawn_worker("--engine", "sim", "--role", "prefill", "--api", api)
+    d = spawn_worker("--engine", "sim", "--role", "decode", "--api", api, "--kv-deadline-s", "1")
+    boot = int(str(p.info["handshake_url"]).rsplit(":", 1)[1])
+    prefill = Endpoint("p", p.url, role="prefill", api=api, bootstrap_port=boot)  # type: ignore[arg-type]
+    decode = Endpoint("d", d.url, role="decode", api=api)  # type: ignore[arg-type]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+    body = {"model": "beam", "max_tokens": 3, "messages": msgs, "stream": True}
+    call = to_upstream(parse_request("chat", json.dumps(body).encode(), 1 << 20))
+
+    async def run() -> tuple[list[str], list[tuple[str, str]]]:
+        up = Upstreams(lambda: [prefill, decode], LoadBook(), prefill_timeout_s=5)
+        events: list[str] = []
+        fallbacks: list[tuple[str, str]] = []
+        try:
+            decision = RouteDecision(decode=decode, prefill=prefill)
+            chunks = await up.stream(
+                decision,
+                call,
+                lambda r, w: fallbacks.append((r, w)),
+                lambda: events.append("prefill_done"),
+            )
+            events.append("decode_sent")
+            async for _ in chunks:
+                pass
+            await asyncio.sleep(0.3)  # an SGLang prefill leg's answer may trail the stream
+        finally:
+            await up.aclose()
+        return events, fallbacks
+
+    events, fallbacks = asyncio.run(run())
+    assert fallbacks == []
+    if api == "vllm":
+        assert events == ["prefill_done", "decode_sent"]
+    else:
+        assert events.count("prefill_done") == 1
+    p.kill()
+    events, fallbacks = asyncio.run(run())
+    assert "prefill_done" not in events and fallbacks
