@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""How often a P/D pool's prefill workers sit idle while new sessions' first turns wait.
+
+    # beside a run (it finds the run's prefill-role workers itself):
+    .venv/bin/python scripts/prefill-idle.py watch /tmp/watch.json &
+    .venv/bin/beamserve bench agentic --routers beamserve-2p2d … --logs /tmp/logs
+    # then:
+    .venv/bin/python scripts/prefill-idle.py report /tmp/logs/beamserve-2p2d-c64 /tmp/watch.json
+
+`watch` finds the processes started with `--role prefill` (pgrep), their listening ports (ss),
+keeps those whose `/metrics` is SGLang-shaped, and samples `sglang:num_running_reqs` every
+100 ms until they are gone. `report` takes the run's `requests.jsonl` and the router's log
+(`router.decision` lines): a first turn the router split "waits" from its send time to its
+decision. It prints the share of samples in which a prefill worker ran nothing, and the share
+in which it ran nothing while some split first turn waited: prefill time the router left
+unused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNNING = re.compile(r"^sglang:num_running_reqs\S*\s+(\S+)", re.M)
+
+
+def _prefill_urls() -> list[str]:
+    pids = subprocess.run(["pgrep", "-f", "role prefill"], capture_output=True, text=True)
+    ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    ports = []
+    for pid in pids.stdout.split():
+        ports += [int(ln.split()[3].rsplit(":", 1)[1]) for ln in ss if f"pid={pid}," in ln]
+    return [f"http://127.0.0.1:{p}" for p in sorted(ports)]
+
+
+async def watch(out: Path, interval_s: float = 0.1) -> None:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=1)
+    samples: list[tuple[float, str, float]] = []
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        urls: list[str] = []
+        while not urls:  # wait for the run's prefill workers
+            for u in _prefill_urls():
+                try:
+                    async with http.get(u + "/metrics") as r:
+                        if r.status == 200 and RUNNING.search(await r.text()):
+                            urls.append(u)
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+            await asyncio.sleep(0.5)
+        print(f"watching {', '.join(urls)}", file=sys.stderr)
+        last_ok = time.time()
+        while time.time() - last_ok < 5:
+            t = time.time()
+            for u in urls:
+                try:
+                    async with http.get(u + "/metrics") as r:
+                        m = RUNNING.search(await r.text())
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+                if m:
+                    samples.append((t, u, float(m.group(1))))
+                    last_ok = t
+            await asyncio.sleep(interval_s)
+    out.write_text(json.dumps(samples))
+
+
+def report(run: Path, watched: Path) -> dict[str, float]:
+    first_decision: dict[str, tuple[float, bool]] = {}
+    t_first = None
+    router_log = next(p for p in run.glob("*.err") if not p.name.startswith("w"))
+    for line in router_log.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("event") != "router.decision":
+            continue
+        t = datetime.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
+        t_first = t if t_first is None else min(t_first, t)
+        first_decision.setdefault(d["session_id"], (t, d["prefill"] is not None))
+    reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines() if x]
+    if t_first is None or not reqs:
+        raise SystemExit(f"{run}: no router decisions or no requests")
+    t0 = t_first - min(r["sent_s"] for r in reqs)  # the run's clock on the wall clock
+    waits = []
+    for r in reqs:
+        if r["turn"] == 0 and r["session"] in first_decision:
+            t, split = first_decision[r["session"]]
+            if split:
+                waits.append((t0 + r["sent_s"], t))
+    samples = json.loads(watched.read_text())
+    idle = [s for s in samples if s[2] == 0]
+    unused = [s for s in idle if any(a <= s[0] < b for a, b in waits)]
+    n = max(len(samples), 1)
+    return {
+        "samples": len(samples),
+        "idle_share": len(idle) / n,
+        "idle_while_first_turns_wait_share": len(unused) / n,
+        "split_first_turns": len(waits),
+        "mean_wait_s": sum(b - a for a, b in waits) / max(len(waits), 1),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("watch", help="sample the prefill workers until they are gone")
+    w.add_argument("out", type=Path)
+    r = sub.add_parser("report", help="idle shares of one run")
+    r.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
+    r.add_argument("watched", type=Path)
+    a = p.parse_args()
+    if a.cmd == "watch":
+        asyncio.run(watch(a.out))
+    else:
+        print(json.dumps(report(a.run, a.watched), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
