@@ -38,11 +38,19 @@ Families (`--strategies`, default all), by where a new session's first turn goes
   prefill worker has X or more tokens queued, and released shortest first (what the router's
   flow controller does for a P/D pool: `FlowConfig.prefill_gate_tokens`);
 - `pd-1p-overflow`: prefilled on 1 dedicated worker while its queue stays under 60K tokens,
-  else on its decode worker.
+  else on its decode worker;
+- `pd-2p2d-legbooks-32k-local-8k`: the HTTP router's pool since 2026-12-05 (the gate reads
+  its books, each prefill released when its leg answers; prompts under 8,192 tokens stay
+  local); `…-split-continuing-8k`: its later turns with 8K+ new tokens split too (the rule
+  before `keep_warm_local`); `…-cont-sticky-X`: later turns with X+ new tokens split to the
+  prefill worker that prefilled the session's first turn.
 
-One row is not a router strategy but a ceiling: `ceiling-first-turns-elsewhere` gives first
+Three rows are not router strategies but ceilings: `ceiling-first-turns-elsewhere` gives first
 turns' prefill to hardware outside the pool (a cold prefill's time on an idle worker, then
 the KV arrives): what the pool does if none of its time goes to new sessions' prompts.
+`attribution-free-continuing` / `-small-first` do the same for the decode workers' own
+prefills in `pd-2p2d-legbooks-32k-local-8k` (later turns' new parts / first turns under
+8,192 tokens): what those prefills cost the pool.
 
 Each strategy runs `--seeds` times: seed 0 plays the trace as it is, seed k > 0 adds
 U(0, 20 ms) to every think time (the run-to-run spread of a real machine). The table shows
@@ -261,7 +269,18 @@ class Prime:
 class Disaggregated(Strategy):
     """First turns prefilled on `prefill` workers, decoded on `decode` ones after the KV moves
     (the sim's P/D transfer time). `overflow`: over that many queued tokens on the least-queued
-    prefill worker, the first turn is prefilled on its decode worker instead."""
+    prefill worker, the first turn is prefilled on its decode worker instead.
+
+    The gate (`sjf_below`) reads each prefill worker's backlog: the engine's queue, or with
+    `books` what a router's books hold from dispatch to the decode worker's first token, or
+    with `leg_books` from dispatch to the prefill leg's answer (the HTTP router since
+    2026-12-05). `split_continuing` (with `leg_books`): later turns with that many new tokens
+    or more are split too, to the least-booked prefill worker (`sticky=False`: it prefills the
+    whole prompt again) or to the one that prefilled the session's first turn (`sticky=True`:
+    its cache may hold the context). `free`: an attribution row, not a strategy — the
+    decode workers' own prefills of that kind ("continuing": later turns' new parts;
+    "small-first": first turns under `local_below`) cost them nothing (the KV arrives after
+    that prefill's time on an idle worker)."""
 
     def __init__(
         self,
@@ -272,14 +291,24 @@ class Disaggregated(Strategy):
         sjf_below: int = 0,
         books: bool = False,
         local_below: int = 0,
+        leg_books: bool = False,
+        split_continuing: int = 0,
+        sticky: bool = False,
+        free: str | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
+        self.leg_books, self.split_continuing, self.sticky = leg_books, split_continuing, sticky
+        self.free = free
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
+        self.legs: dict[str, dict[int, int]] = {p: {} for p in prefill}
+        self.last: dict[str, int] = {}  # session → its previous prompt's tokens
+        self.home_prefill: dict[str, str] = {}  # session → where its first turn was prefilled
 
     def backlog(self, h: Loop, p: str) -> int:
-        """The engine's queued prefill, or with `books` what a router's books hold: every
-        prompt sent to `p` whose first token has not come back yet."""
+        """The engine's queued prefill, or what a router's books hold (class docstring)."""
+        if self.leg_books:
+            return sum(self.legs[p].values())
         if not self.books:
             return h.queued(p)
         self.sent[p] = [r for r in self.sent[p] if r.first is None]
@@ -301,14 +330,43 @@ class Disaggregated(Strategy):
         return sorted(held, key=lambda r: (r.turn == 0, r.prompt if r.turn == 0 else 0))
 
     def send(self, h: Loop, worker: str, rec: Rec) -> None:
-        if rec.turn != 0 or rec.prompt < self.local_below:
-            h.submit(worker, rec, rec.req)
+        new = rec.prompt - self.last.get(rec.session, 0)
+        self.last[rec.session] = rec.prompt
+        if rec.turn != 0:
+            if self.free == "continuing":
+                self._remote(h, worker, rec, h.lat.prefill_seconds(max(new, 1)))
+            elif self.split_continuing and new >= self.split_continuing:
+                p = self.home_prefill.get(rec.session) if self.sticky else None
+                if self.sticky and p is None:  # its first turn was prefilled locally
+                    h.submit(worker, rec, rec.req)
+                else:
+                    self._leg(h, worker, rec, p or self._least_booked(h), new)
+            else:
+                h.submit(worker, rec, rec.req)
             return
-        p = min(self.prefill, key=lambda x: self.backlog(h, x))
+        if rec.prompt < self.local_below:
+            if self.free == "small-first":
+                self._remote(h, worker, rec, h.lat.prefill_seconds(rec.prompt))
+            else:
+                h.submit(worker, rec, rec.req)
+            return
+        p = self._least_booked(h)
+        self.home_prefill[rec.session] = p
         self.sent[p].append(rec)
         if self.overflow and h.queued(p) + rec.prompt > self.overflow:
             h.submit(worker, rec, rec.req)
             return
+        self._leg(h, worker, rec, p, rec.prompt)
+
+    def _least_booked(self, h: Loop) -> str:
+        return min(self.prefill, key=lambda x: self.backlog(h, x))
+
+    def _remote(self, h: Loop, worker: str, rec: Rec, seconds: float) -> None:
+        h.submit(worker, rec, replace(rec.req, remote_prefill=RemotePrefill(seconds)))
+
+    def _leg(self, h: Loop, worker: str, rec: Rec, p: str, booked: int) -> None:
+        """Prefill `rec`'s whole prompt on `p` (its cache serves what it holds), then decode on
+        `worker` once the KV moved; `booked` tokens count on `p` until the leg answers."""
         leg = SimRequest(
             h.new_id("prefill"),
             prompt_tokens=rec.prompt,
@@ -320,9 +378,12 @@ class Disaggregated(Strategy):
             rec.req,
             remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
         )
+        key = id(rec)
+        self.legs[p][key] = booked
 
         def done(u: RequestUpdate) -> None:
             if u.finished:
+                self.legs[p].pop(key, None)
                 h.release_slot(worker, rec)
                 h.submit(worker, rec, moved)
 
@@ -380,6 +441,27 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             "pd-2p2d-sjf-8k-local-8k", ws[:2], ws[2:], sjf_below=8192, local_below=8192
         )
         out["pd-1p-overflow"] = lambda: Disaggregated("pd-1p-overflow", ws[:1], ws[1:], 60_000)
+        # The HTTP router's pool since 2026-12-05, and what was tried around it.
+        twin = {"sjf_below": 32768, "local_below": 8192, "leg_books": True}
+        out["pd-2p2d-legbooks-32k-local-8k"] = lambda: Disaggregated(
+            "pd-2p2d-legbooks-32k-local-8k", ws[:2], ws[2:], **twin
+        )
+        out["pd-2p2d-legbooks-split-continuing-8k"] = lambda: Disaggregated(
+            "pd-2p2d-legbooks-split-continuing-8k", ws[:2], ws[2:], split_continuing=8192, **twin
+        )
+        for x in (256, 1024, 4096):
+            out[f"pd-2p2d-legbooks-cont-sticky-{x}"] = lambda x=x: Disaggregated(
+                f"pd-2p2d-legbooks-cont-sticky-{x}",
+                ws[:2],
+                ws[2:],
+                split_continuing=x,
+                sticky=True,
+                **twin,
+            )
+        for what in ("continuing", "small-first"):
+            out[f"attribution-free-{what}"] = lambda what=what: Disaggregated(
+                f"attribution-free-{what}", ws[:2], ws[2:], free=what, **twin
+            )
     out["ceiling-first-turns-elsewhere"] = FirstTurnsElsewhere
     return out
 

@@ -110,3 +110,41 @@ def test_unknown_strategy_is_refused_with_the_valid_ones(tmp_path: Path) -> None
     with pytest.raises(SystemExit) as exc:
         ks.main(["--sessions", "2", "--strategies", "nope", "--seeds", "1"])
     assert "nope" in str(exc.value) and "least-queued" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pd-2p2d-legbooks-32k-local-8k",
+        "pd-2p2d-legbooks-split-continuing-8k",
+        "pd-2p2d-legbooks-cont-sticky-256",
+    ],
+)
+def test_leg_books_serve_everything_and_return_to_zero(sessions, name: str) -> None:
+    """The HTTP router's pool on virtual time: every request served once, every prefill leg's
+    booking released when it answered, and the rows that split later turns send that work to
+    the prefill workers (more prefill there than in the pool that keeps it local)."""
+    loop, recs = _run(sessions, name, concurrency=12)
+    assert len(recs) == sum(s.requests for s in sessions)
+    assert all(r.end is not None for r in recs)
+    assert all(not legs for legs in loop.strategy.legs.values())
+    twin, _ = _run(sessions, "pd-2p2d-legbooks-32k-local-8k", concurrency=12)
+
+    def prefill_work(lp) -> int:
+        stats = [lp.engines[w].stats() for w in ("w0", "w1")]
+        return sum(s.prompt_tokens_total - s.prefix_cache_hits_tokens for s in stats)
+
+    if name == "pd-2p2d-legbooks-32k-local-8k":
+        assert {r.worker for r in recs} <= {"w2", "w3"}
+    else:
+        assert prefill_work(loop) > prefill_work(twin)
+
+
+@pytest.mark.parametrize("name", ["attribution-free-continuing", "attribution-free-small-first"])
+def test_attribution_rows_take_their_prefills_off_the_decode_workers(sessions, name: str) -> None:
+    """Freeing the decode workers of a kind of their own prefills makes the same run end
+    sooner (seed 0 replays the trace: the comparison is deterministic)."""
+    base = ks.summarize(_run(sessions, "pd-2p2d-legbooks-32k-local-8k", concurrency=12)[1])
+    freed = ks.summarize(_run(sessions, name, concurrency=12)[1])
+    assert freed["requests"] == base["requests"]
+    assert freed["run_s"] < base["run_s"]
