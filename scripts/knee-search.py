@@ -43,7 +43,9 @@ Families (`--strategies`, default all), by where a new session's first turn goes
   its books, each prefill released when its leg answers; prompts under 8,192 tokens stay
   local); `…-split-continuing-8k`: its later turns with 8K+ new tokens split too (the rule
   before `keep_warm_local`); `…-cont-sticky-X`: later turns with X+ new tokens split to the
-  prefill worker that prefilled the session's first turn.
+  prefill worker that prefilled the session's first turn; `…-cont-pace-hold-1024-1.5`: later
+  turns with 1,024+ new tokens wait up to 1.5 s while their prefill would push a user of
+  their decode worker under 20 tok/s.
 
 Three rows are not router strategies but ceilings: `ceiling-first-turns-elsewhere` gives first
 turns' prefill to hardware outside the pool (a cold prefill's time on an idle worker, then
@@ -295,15 +297,33 @@ class Disaggregated(Strategy):
         split_continuing: int = 0,
         sticky: bool = False,
         free: str | None = None,
+        pace_hold: tuple[int, float] | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.leg_books, self.split_continuing, self.sticky = leg_books, split_continuing, sticky
-        self.free = free
+        self.free, self.pace_hold = free, pace_hold
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
         self.legs: dict[str, dict[int, int]] = {p: {} for p in prefill}
         self.last: dict[str, int] = {}  # session → its previous prompt's tokens
         self.home_prefill: dict[str, str] = {}  # session → where its first turn was prefilled
+
+    def place(self, h: Loop, rec: Rec) -> str | None:
+        """`pace_hold` (N, T): a later turn with N or more new tokens waits (up to T s after
+        it was sent) while its prefill, beside what its decode worker has queued, would push
+        one of that worker's decoding users under the SLO's speed."""
+        home = h.home.get(rec.session)
+        if home is None:
+            return self.place_new(h, rec)
+        if self.pace_hold is not None:
+            least, hold_s = self.pace_hold
+            new = rec.prompt - self.last.get(rec.session, 0)
+            now = h.clock.now()
+            if new >= least and now - rec.sent < hold_s:
+                cost = h.s_per_prefill_token * (new + h.queued(home))
+                if any(s < cost for s in h.slacks(home, now)):
+                    return None
+        return home
 
     def backlog(self, h: Loop, p: str) -> int:
         """The engine's queued prefill, or what a router's books hold (class docstring)."""
@@ -458,6 +478,13 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
                 sticky=True,
                 **twin,
             )
+        out["pd-2p2d-legbooks-cont-pace-hold-1024-1.5"] = lambda: Disaggregated(
+            "pd-2p2d-legbooks-cont-pace-hold-1024-1.5",
+            ws[:2],
+            ws[2:],
+            pace_hold=(1024, 1.5),
+            **twin,
+        )
         for what in ("continuing", "small-first"):
             out[f"attribution-free-{what}"] = lambda what=what: Disaggregated(
                 f"attribution-free-{what}", ws[:2], ws[2:], free=what, **twin

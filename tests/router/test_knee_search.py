@@ -148,3 +148,46 @@ def test_attribution_rows_take_their_prefills_off_the_decode_workers(sessions, n
     freed = ks.summarize(_run(sessions, name, concurrency=12)[1])
     assert freed["requests"] == base["requests"]
     assert freed["run_s"] < base["run_s"]
+
+
+class _Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+
+class _Pool:
+    """What `Disaggregated.place` reads of the loop (a stand-in below the part under test):
+    the session's decode worker `w2`, whose one decoding user has `slack` seconds to spare."""
+
+    def __init__(self, now: float, slack: float) -> None:
+        self.clock = _Clock(now)
+        self.home = {"s": "w2"}
+        self.s_per_prefill_token = 1e-4
+        self.slack = slack
+
+    def queued(self, worker: str) -> int:
+        return 0
+
+    def slacks(self, worker: str, now: float) -> list[float]:
+        return [self.slack]
+
+
+@pytest.mark.parametrize(
+    ("new", "now", "slack", "placed"),
+    [
+        (2048, 0.1, 0.05, False),  # 0.2 s of prefill would push the user under pace: wait
+        (2048, 1.6, 0.05, True),  # waited the 1.5 s it may: goes
+        (2048, 0.1, 0.5, True),  # the user can spare it
+        (512, 0.1, 0.05, True),  # under 1,024 new tokens: never held
+    ],
+)
+def test_pace_hold_keeps_a_long_later_turn_back_while_it_would_slow_a_user(
+    new: int, now: float, slack: float, placed: bool
+) -> None:
+    strat = ks.strategies(4)["pd-2p2d-legbooks-cont-pace-hold-1024-1.5"]()
+    strat.last["s"] = 10_000
+    rec = ks.Rec("s", 1, 10_000 + new, 16, 0.0, None)
+    assert (strat.place(_Pool(now, slack), rec) == "w2") is placed
