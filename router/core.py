@@ -276,10 +276,7 @@ class RoutingCore:
         def done() -> None:
             if d.phase != "dispatched" or flight is None or d.flight is not flight:
                 return
-            if d.decision is None or d.decision.prefill is None:
-                return
-            self.loads.prefill_leg_done(flight)
-            if self.on_prefill_done is not None:
+            if self.loads.prefill_leg_done(flight) and self.on_prefill_done is not None:
                 self.on_prefill_done()
 
         return done

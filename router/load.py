@@ -437,15 +437,17 @@ class LoadBook:
         if f.prefill_worker is not None:
             p.in_flight -= 1
 
-    def prefill_leg_done(self, f: Flight) -> None:
+    def prefill_leg_done(self, f: Flight) -> bool:
         """A split request's prefill leg answered: the prefill worker has computed the prompt,
         so its booking there ends now, before the decode worker's first token (which comes
         after the KV moved and the decode worker's next step). The decode worker's context is
-        booked at `first_token` as usual. No-op for a local prefill or a finished flight."""
-        if f.prefill_worker is None or not f.prefilling or f.done:
-            return
+        booked at `first_token` as usual. False (nothing changed) for a local prefill, a
+        flight past its prefill, or one already released."""
+        if f.prefill_worker is None or not f.prefilling or f.done or f.prefill_released:
+            return False
         self._release_prefill(f)
         self._changed(f)
+        return True
 
     def first_token(self, f: Flight) -> None:
         """The prefill part is done: its context now loads the decode worker."""

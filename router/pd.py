@@ -42,7 +42,7 @@ from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
-PrefillDoneHook = Callable[[], None]  # the prefill leg answered (`RoutingCore.prefill_done`)
+PrefillDoneHook = Callable[[], None]  # the prefill leg answered (`RoutingCore.prefill_hook`)
 # Worker calls are encoded with orjson (a 100K-token conversation is ~0.5 MB of JSON).
 JSON_HEADERS = {"content-type": "application/json"}
 KEEPALIVE_S = 4.0

@@ -71,7 +71,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from beamserve.kvwire.codec import ApproxCodec
 from beamserve.router.bench.agentic_workload import (
@@ -273,10 +273,10 @@ class Disaggregated(Strategy):
     (the sim's P/D transfer time). `overflow`: over that many queued tokens on the least-queued
     prefill worker, the first turn is prefilled on its decode worker instead.
 
-    The gate (`sjf_below`) reads each prefill worker's backlog: the engine's queue, or with
-    `books` what a router's books hold from dispatch to the decode worker's first token, or
-    with `leg_books` from dispatch to the prefill leg's answer (the HTTP router since
-    2026-12-05). `split_continuing` (with `leg_books`): later turns with that many new tokens
+    The gate (`sjf_below`) reads each prefill worker's backlog: `books="engine"` the engine's
+    queue; `"first-token"` what a router's books hold from dispatch to the decode worker's
+    first token; `"leg"` from dispatch to the prefill leg's answer (the HTTP router since
+    2026-12-05). `split_continuing` (with `"leg"`): later turns with that many new tokens
     or more are split too, to the least-booked prefill worker (`sticky=False`: it prefills the
     whole prompt again) or to the one that prefilled the session's first turn (`sticky=True`:
     its cache may hold the context). `free`: an attribution row, not a strategy — the
@@ -291,9 +291,8 @@ class Disaggregated(Strategy):
         decode: Sequence[str],
         overflow: int = 0,
         sjf_below: int = 0,
-        books: bool = False,
+        books: Literal["engine", "first-token", "leg"] = "engine",
         local_below: int = 0,
-        leg_books: bool = False,
         split_continuing: int = 0,
         sticky: bool = False,
         free: str | None = None,
@@ -301,7 +300,7 @@ class Disaggregated(Strategy):
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
-        self.leg_books, self.split_continuing, self.sticky = leg_books, split_continuing, sticky
+        self.split_continuing, self.sticky = split_continuing, sticky
         self.free, self.pace_hold = free, pace_hold
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
         self.legs: dict[str, dict[int, int]] = {p: {} for p in prefill}
@@ -327,9 +326,9 @@ class Disaggregated(Strategy):
 
     def backlog(self, h: Loop, p: str) -> int:
         """The engine's queued prefill, or what a router's books hold (class docstring)."""
-        if self.leg_books:
+        if self.books == "leg":
             return sum(self.legs[p].values())
-        if not self.books:
+        if self.books == "engine":
             return h.queued(p)
         self.sent[p] = [r for r in self.sent[p] if r.first is None]
         return sum(r.prompt for r in self.sent[p])
@@ -454,7 +453,7 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             ws[:2],
             ws[2:],
             sjf_below=32768,
-            books=True,
+            books="first-token",
             local_below=8192,
         )
         out["pd-2p2d-sjf-8k-local-8k"] = lambda: Disaggregated(
@@ -462,7 +461,7 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
         )
         out["pd-1p-overflow"] = lambda: Disaggregated("pd-1p-overflow", ws[:1], ws[1:], 60_000)
         # The HTTP router's pool since 2026-12-05, and what was tried around it.
-        twin = {"sjf_below": 32768, "local_below": 8192, "leg_books": True}
+        twin: dict[str, Any] = {"sjf_below": 32768, "local_below": 8192, "books": "leg"}
         out["pd-2p2d-legbooks-32k-local-8k"] = lambda: Disaggregated(
             "pd-2p2d-legbooks-32k-local-8k", ws[:2], ws[2:], **twin
         )

@@ -92,7 +92,7 @@ room. Contract:
   first-out and 104–111 shortest first. The stage is such an item's only gate: the saturation
   gate and the pool's pace (below) watch the decode workers, where its prefill does not run.
   Holding split first turns there too left the prefill workers idle 12 % of the run while
-  first turns waited (HTTP, 64 agents, 2 prefill + 2 decode workers), and the run took 94 s
+  first turns waited (HTTP, 64 agents, 2 prefill + 2 decode workers), and the run took 94–96 s
   instead of 85 s. A split request's booking on its prefill worker ends when the prefill leg
   answers (`RoutingCore.prefill_hook`), not at the decode worker's first token. Without
   prefill workers nothing of this applies.
