@@ -361,6 +361,18 @@ class FlowControlSpec(_Model):
     prefill worker has less than this much prefill in flight, and wait in the router meanwhile,
     shortest first; null: straight into the prefill workers' own queues (docs/policies.md,
     "The prefill stage of a disaggregated pool")."""
+    pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
+    """A continuing turn with this many uncached tokens, prefilled on its session's worker,
+    waits in the router while its prefill would slow a user decoding there under
+    paceHoldUserTokensPerSecond; null: off (docs/policies.md, "The pace hold")."""
+    pace_hold_max_seconds: Annotated[float, Field(gt=0)] = 1.5
+    """A held turn goes when waiting longer would end its own prefill later than this after
+    admission."""
+    pace_hold_user_tokens_per_second: Annotated[float, Field(gt=0)] = 20.0
+    """The decoding speed per user the pace hold protects."""
+    pace_hold_prefill_tokens_per_second: Annotated[float, Field(gt=0)] = 38000.0
+    """What one prefill token costs the engine steps beside the decodes, as tokens/s (38,000:
+    Beam on 8 × H200, bf16)."""
 
 
 class SaturationSpec(_Model):

@@ -56,6 +56,7 @@ from beamserve.router.api.sse import (
 )
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
+from beamserve.router.flow.pace_hold import PaceHold
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
@@ -178,6 +179,7 @@ class Router:
         self._buckets: dict[str, _Bucket] = {}
         self._kv_totals = kv_event_totals or dict
         self.metrics = RouterMetrics(self._live)
+        self._pace_hold = flow.config.pace_hold()
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
         self._sweep_at = 64
@@ -449,6 +451,8 @@ class Router:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
             hashing_s = 0.0
             self._record_decision(decision, rreq)
+            if self._pace_hold is not None:
+                await self._hold_for_pace(d, self._pace_hold)
             try:
                 if turn.call.stream:
                     return await self._stream(turn, decision)
@@ -465,6 +469,29 @@ class Router:
             except APIError:
                 self.core.fail(d, answered=True)  # the worker refused it: the client's fault
                 raise
+
+    async def _hold_for_pace(self, d: Dispatch, rule: PaceHold) -> None:
+        """Wait while the pace hold says so (`beamserve.router.flow.pace_hold`); the request
+        stays routed and booked meanwhile (a client that leaves cancels it, as before any
+        upstream call)."""
+        if not self.core.pace_holds(d, rule):
+            return
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(rule.poll_s)
+            if not self.core.pace_holds(d, rule):
+                break
+        held = time.monotonic() - t0
+        expired = self.core.pace_hold_left(d, rule) <= 0
+        self.metrics.pace_holds.labels("expired" if expired else "released").inc()
+        self.metrics.pace_hold_seconds.inc(held)
+        log.info(
+            "router.pace_hold",
+            request_id=d.request.request_id,
+            worker=d.decision.decode.id if d.decision else None,
+            held_s=round(held, 3),
+            expired=expired,
+        )
 
     def _record_decision(self, d: RouteDecision, rreq: RouteRequest) -> None:
         self.metrics.decisions.labels(d.reason or "unknown").inc()
@@ -551,10 +578,15 @@ class Router:
             api, client_model=parsed.model, worker_model=first[0].get("model") if first else None
         )
 
+        flight = dispatch.flight  # its `tokens`: what was relayed so far (the pace hold's)
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 if raw:  # the worker's bytes, untouched (`SSEScanner` watches them)
+                    scanner = chunks.scanner
                     async for data in chunks.raw(strip_usage=not call.client_wants_usage):
+                        if flight is not None:
+                            flight.tokens = scanner.events
                         yield data
                     usage = chunks.scanner.usage or {}
                 else:
@@ -562,6 +594,8 @@ class Router:
                         for frame in translator.feed(c):
                             yield frame
                     async for c in chunks:
+                        if flight is not None:
+                            flight.tokens += 1
                         for frame in translator.feed(c):
                             yield frame
                     for frame in translator.finish():

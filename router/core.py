@@ -45,6 +45,7 @@ from typing import Literal, Protocol
 
 from beamserve.kvwire.geometry import DEFAULT_GEOMETRY, KVGeometry
 from beamserve.router.flow.fairness import service_tokens
+from beamserve.router.flow.pace_hold import PaceHold
 from beamserve.router.index.prefix_index import PrefixIndex
 from beamserve.router.load import Flight, LoadBook
 from beamserve.router.policy import (
@@ -91,6 +92,7 @@ class Dispatch:
     attempts: int = 0
     excluded: set[str] = field(default_factory=set)
     first_token_at: float | None = None
+    opened_at: float = 0.0
 
     @property
     def closed(self) -> bool:
@@ -234,7 +236,7 @@ class RoutingCore:
         """A request was admitted (its flow-control `ticket`, if any, is now the dispatch's)."""
         self.open_dispatches += 1
         self.loads.wake(request.session_id)  # its next turn is here: no longer resting
-        return Dispatch(request, ticket)
+        return Dispatch(request, ticket, opened_at=self.clock())
 
     def route(
         self, d: Dispatch, endpoints: Sequence[Endpoint], warm: str | None = None
@@ -259,11 +261,46 @@ class RoutingCore:
         """The first output token arrived: the prefill load becomes decode load (and
         `on_prefill_done` hears of it when the prefill ran on a prefill worker)."""
         if d.phase == "dispatched" and d.flight is not None:
-            self.loads.first_token(d.flight)
-            d.phase = "streaming"
             d.first_token_at = self.clock()
+            self.loads.first_token(d.flight, d.first_token_at)
+            d.phase = "streaming"
             if self.on_prefill_done is not None and d.decision and d.decision.prefill is not None:
                 self.on_prefill_done()
+
+    def pace_holds(self, d: Dispatch, rule: PaceHold) -> bool:
+        """Should `d`, routed and booked, wait before it is sent (`flow.pace_hold`)? Only a
+        continuing turn prefilled on its decode worker with `rule.min_tokens` or more uncached
+        tokens, while its prefill (with what waits there before it) would push one of the
+        users streaming from that worker under `rule.user_tok_s`, and only as long as its own
+        prefill still ends within `rule.max_s` of its admission. The flight is marked held
+        (`LoadBook.hold`) while the answer is yes, and unmarked when it is no."""
+        f, decision = d.flight, d.decision
+        if d.phase != "dispatched" or f is None or decision is None:
+            return False
+        if decision.prefill is not None or d.request.band != "continuing":
+            return False
+        if f.prefill_tokens < rule.min_tokens:
+            return False
+        now = self.clock()
+        hold = self.pace_hold_left(d, rule, now) > 0 and (
+            self.loads.pushed_under(
+                f.worker,
+                now,
+                user_tok_s=rule.user_tok_s,
+                prefill_tok_s=rule.prefill_tok_s,
+                own=f,
+            )
+            > 0
+        )
+        self.loads.hold(f, hold)
+        return hold
+
+    def pace_hold_left(self, d: Dispatch, rule: PaceHold, now: float | None = None) -> float:
+        """Seconds `d` may still wait in the pace hold: until its own prefill, started then,
+        would end `rule.max_s` after its admission (≤ 0: its time is up)."""
+        own = d.flight.prefill_tokens if d.flight is not None else 0
+        now = self.clock() if now is None else now
+        return rule.max_s - (now - d.opened_at) - own / rule.prefill_tok_s
 
     def prefill_hook(self, d: Dispatch) -> Callable[[], None]:
         """What to call when the prefill leg of `d`'s current attempt answers (the prefill
@@ -405,4 +442,5 @@ class RoutingCore:
             uncached,
             request.prompt_tokens + request.max_tokens,
             prefill.id if prefill is not None else None,
+            max_tokens=request.max_tokens,
         )

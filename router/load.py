@@ -152,6 +152,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from beamserve.router.flow.pace_hold import Decoding, pushed_under
 from beamserve.router.types import WorkerLoad
 
 # Engine metric names → what they mean (REFERENCE.md, "Metrics names engines expose").
@@ -319,6 +320,10 @@ class _Worker:
     served: int = 0
     resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
     resting: int = 0
+    # this replica's requests streaming from here (`first_token` to `finish`), for the pace
+    # hold (`beamserve.router.flow.pace_hold`): id(flight) → flight
+    streaming: dict[int, Flight] = field(default_factory=dict)
+    held_tokens: int = 0  # prefill tokens of the flights the pace hold keeps back (`hold`)
     # log of the running geometric mean of finished requests' s/token (`decoded`), and of
     # those that decoded with no company here
     log_itl: float | None = None
@@ -346,6 +351,10 @@ class Flight:
     done: bool = False
     prefill_worker: str | None = None
     prefill_released: bool = False  # the prefill worker's part ended (`prefill_leg_done`)
+    max_tokens: int = 0  # the output it asked for
+    first_token_at: float | None = None
+    tokens: int = 0  # output tokens relayed so far (the caller counts them)
+    held: bool = False  # booked, but kept back by the pace hold (`LoadBook.hold`)
 
 
 @dataclass
@@ -397,10 +406,13 @@ class LoadBook:
         uncached_tokens: int,
         context_tokens: int,
         prefill: str | None = None,
+        max_tokens: int = 0,
     ) -> Flight:
         """A request was sent: its uncached prompt counts as prefill work on `prefill` (or on
         `decode` when it prefills locally)."""
-        f = Flight(decode, uncached_tokens, context_tokens, prefill_worker=prefill)
+        f = Flight(
+            decode, uncached_tokens, context_tokens, prefill_worker=prefill, max_tokens=max_tokens
+        )
         for wid in (decode, prefill):
             if wid is not None:
                 self.probing(wid)  # a half-open breaker lets only this request through
@@ -430,6 +442,7 @@ class LoadBook:
     def _release_prefill(self, f: Flight) -> None:
         if f.prefill_released:
             return
+        self.hold(f, False)
         f.prefill_released = True
         p = self._w(f.prefill_worker or f.worker)
         p.prefill_tokens -= f.prefill_tokens
@@ -449,15 +462,17 @@ class LoadBook:
         self._changed(f)
         return True
 
-    def first_token(self, f: Flight) -> None:
+    def first_token(self, f: Flight, now: float | None = None) -> None:
         """The prefill part is done: its context now loads the decode worker."""
         if not f.prefilling or f.done:
             return
         f.prefilling = False
+        f.first_token_at = self.clock() if now is None else now
         self._release_prefill(f)
         d = self._w(f.worker)
         d.decode_tokens += f.context_tokens
         d.decoding += 1
+        d.streaming[id(f)] = f
         self._changed(f)
 
     def finish(self, f: Flight) -> None:
@@ -469,6 +484,7 @@ class LoadBook:
             d = self._w(f.worker)
             d.decode_tokens -= f.context_tokens
             d.decoding -= 1
+            d.streaming.pop(id(f), None)
         d = self._w(f.worker)
         d.in_flight -= 1
         d.served += 1
@@ -602,6 +618,54 @@ class LoadBook:
         if w.decoding <= 0:  # (its own flight already released) nothing else of ours decodes
             alone = w.log_itl_alone
             w.log_itl_alone = x if alone is None else alone + a * (x - alone)
+
+    def hold(self, f: Flight, held: bool) -> None:
+        """Mark a flight that prefills locally as kept back by the pace hold (or sent after
+        all): the other held flights' checks leave its tokens out (`pushed_under`)."""
+        if f.held == held or f.prefill_worker is not None or f.prefill_released:
+            return
+        f.held = held
+        self._w(f.worker).held_tokens += f.prefill_tokens if held else -f.prefill_tokens
+
+    def decodings(self, worker: str) -> list[Decoding]:
+        """This replica's requests streaming from `worker`, as relayed so far."""
+        w = self._workers.get(worker)
+        if w is None:
+            return []
+        return [
+            Decoding(f.first_token_at, f.max_tokens, f.tokens)
+            for f in w.streaming.values()
+            if f.first_token_at is not None
+        ]
+
+    def pushed_under(
+        self,
+        worker: str,
+        now: float | None = None,
+        *,
+        user_tok_s: float,
+        prefill_tok_s: float,
+        own: Flight | None = None,
+    ) -> int:
+        """How many of this replica's users streaming from `worker` the prefill booked there
+        would push under `user_tok_s` (`beamserve.router.flow.pace_hold`): what was sent and
+        waits to be prefilled, plus `own` (a held flight about to go), but not the other
+        flights the hold keeps back (each is checked for itself when it may go)."""
+        w = self._workers.get(worker)
+        if w is None or not w.streaming:
+            return 0
+        now = self.clock() if now is None else now
+        tokens = w.prefill_tokens - w.held_tokens
+        if own is not None and own.held:
+            tokens += own.prefill_tokens
+        return pushed_under(
+            self.decodings(worker),
+            tokens,
+            now,
+            user_tok_s=user_tok_s,
+            prefill_tok_s=prefill_tok_s,
+            worker_step_s=self._pace(w, now),
+        )
 
     def _pace(self, w: _Worker, now: float) -> float | None:
         if w.log_itl is None or w.decoding <= 0:

@@ -149,6 +149,18 @@ class RouterMetrics:
         self.retries = Counter(
             "beamserve_router_retries", "Retries before the first byte.", ["reason"], registry=r
         )
+        self.pace_holds = Counter(
+            "beamserve_router_pace_holds",
+            "Continuing turns held before dispatch by the pace hold (flow.pace_hold), by how the "
+            "hold ended: released (no user would be slowed any more) or expired (pace_hold_max_s).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pace_hold_seconds = Counter(
+            "beamserve_router_pace_hold_seconds",
+            "Seconds continuing turns spent in the pace hold.",
+            registry=r,
+        )
         self.disaggregated = Counter(
             "beamserve_router_disaggregated", "Requests prefilled on the prefill pool.", registry=r
         )

@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("router/flow/controller.py", "Flow control: bands, fairness, shedding"),
     ("router/flow/fairness.py", "Least attained service (tenant fairness)"),
     ("router/flow/saturation.py", "Saturation gate"),
+    ("router/flow/pace_hold.py", "The pace hold"),
     ("router/policy/base.py", "Filter → score → pick"),
     ("router/policy/build.py", "Configuring a policy; presets"),
     ("router/policy/sticky.py", "`sticky-until-saturated` (the default)"),

@@ -160,13 +160,16 @@ class SSEScanner:
     complete lines received so far, unchanged — except, with `strip_usage` (the client did not
     ask for usage; the router always asks the worker), usage-only events are dropped and
     `usage` fields removed. `done` is set by `data: [DONE]`, `usage` by the usage chunk,
-    `error` by an error event (its message). Only `data:` lines that mention `"usage"` with a
-    value or `"error"` are decoded, so the cost per token is a few byte searches."""
+    `error` by an error event (its message), `events` counts the `data:` events seen (about
+    one per token: the pace hold's count, `beamserve.router.flow.pace_hold`). Only `data:`
+    lines that mention `"usage"` with a value or `"error"` are decoded, so the cost per token
+    is a few byte searches."""
 
     strip_usage: bool = False
     done: bool = False
     usage: dict[str, Any] | None = None
     error: str | None = None
+    events: int = 0
     _tail: bytes = b""
 
     def feed(self, data: bytes) -> bytes:
@@ -180,6 +183,9 @@ class SSEScanner:
                 return b""
             self._tail = buf[cut + 1 :]
             head = buf[: cut + 1]
+        # `head` starts at a line's start: every event's `data:` opens a line, and JSON text
+        # escapes its newlines, so this counts events, not text that mentions "data:"
+        self.events += head.count(b"\ndata:") + head.startswith(b"data:")
         if b'"usage"' not in head and b'"error"' not in head and b"[DONE]" not in head:
             return head
         out: list[bytes] = []

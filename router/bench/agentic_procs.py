@@ -369,9 +369,13 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
 # there, where they queue behind long cold prompts; docs/bench/agentic.md, "A disaggregated pool
 # at the knee"), and a session's later turns stay on its decode worker whatever their size
 # (`keep_warm_local`: that worker holds the context a prefill worker would compute again).
+# A later turn with 1,024+ uncached tokens waits (up to 1.5 s) while its prefill would push a
+# user decoding on its worker under 20 tokens/s (`FlowConfig.pace_hold_tokens`).
 PD_RULE_FIRST_TURNS = (
     "--disaggregation",
     json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
+    "--flow",
+    json.dumps({"pace_hold_tokens": 1024}),
 )
 
 

@@ -132,6 +132,7 @@ from typing import Any, Literal
 
 import structlog
 from beamserve.router.flow.fairness import DEFAULT_HALF_LIFE_S, AttainedService
+from beamserve.router.flow.pace_hold import PaceHold
 from beamserve.router.flow.saturation import (
     FlowConfigError,
     SaturationDetector,
@@ -181,6 +182,10 @@ class FlowConfig(BaseModel):
     | `lifo_after_s` | ``2`` | oldest item waited this long: newest first from then (null: off) |
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
     | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
+    | `pace_hold_tokens` | ``null`` | pace hold (`pace_hold`): continuing turns this long may wait |
+    | `pace_hold_max_s` | ``1.5`` | … until their own prefill would end this late (s) |
+    | `pace_hold_user_tok_s` | ``20`` | … while a user beside them would fall under this speed |
+    | `pace_hold_prefill_tok_s` | ``38000`` | … reckoning a prefill token's cost at this rate |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -198,6 +203,10 @@ class FlowConfig(BaseModel):
     lifo_after_s: float | None = Field(default=2.0, ge=0)
     lifo_max_wait_s: float = Field(default=30.0, gt=0)
     prefill_gate_tokens: int | None = Field(default=32768, ge=1)
+    pace_hold_tokens: int | None = Field(default=None, ge=1)
+    pace_hold_max_s: float = Field(default=1.5, gt=0)
+    pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
+    pace_hold_prefill_tok_s: float = Field(default=38000.0, gt=0)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
@@ -209,6 +218,17 @@ class FlowConfig(BaseModel):
                 f"({config.lifo_max_wait_s:g}): raise the one or lower the other"
             )
         return config
+
+    def pace_hold(self) -> PaceHold | None:
+        """The pace hold's rule (`beamserve.router.flow.pace_hold`), None when off."""
+        if self.pace_hold_tokens is None:
+            return None
+        return PaceHold(
+            self.pace_hold_tokens,
+            self.pace_hold_max_s,
+            self.pace_hold_user_tok_s,
+            self.pace_hold_prefill_tok_s,
+        )
 
     def band_limit(self, band: Band) -> int:
         return self.band_max_queued.get(band, self.max_queued)
