@@ -361,6 +361,10 @@ class FlowControlSpec(_Model):
     prefill worker has less than this much prefill in flight, and wait in the router meanwhile,
     shortest first; null: straight into the prefill workers' own queues (docs/policies.md,
     "The prefill stage of a disaggregated pool")."""
+    prefill_sjf_window_seconds: Annotated[float, Field(gt=0)] | None = 2.0
+    """At that stage, shortest first only among the new sessions that waited less than this
+    (they can still meet a TTFT bound this long); the others after them, oldest first; null:
+    shortest first among all (docs/policies.md, "The prefill stage of a disaggregated pool")."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

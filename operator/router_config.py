@@ -87,6 +87,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "lifo_after_s": config.flow_control.lifo_after_seconds,
             "lifo_max_wait_s": config.flow_control.lifo_max_wait_seconds,
             "prefill_gate_tokens": config.flow_control.prefill_gate_tokens,
+            "prefill_sjf_window_s": config.flow_control.prefill_sjf_window_seconds,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,
             "pace_hold_max_s": config.flow_control.pace_hold_max_seconds,
             "pace_hold_user_tok_s": config.flow_control.pace_hold_user_tokens_per_second,

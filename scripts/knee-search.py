@@ -45,7 +45,10 @@ Families (`--strategies`, default all), by where a new session's first turn goes
   before `keep_warm_local`); `…-cont-sticky-X`: later turns with X+ new tokens split to the
   prefill worker that prefilled the session's first turn; `…-cont-pace-hold-1024-1.5`: later
   turns with 1,024+ new tokens wait up to 1.5 s while their prefill would push a user of
-  their decode worker under 20 tok/s.
+  their decode worker under 20 tok/s (while their own prefill would still end within 1.5 s);
+  `pd-2p2d-legbooks-window-2`: the HTTP router's pool since the afternoon of 2026-12-05 —
+  that pace hold, and the held first turns shortest first only while they waited under 2 s,
+  the others after them, oldest first.
 
 Three rows are not router strategies but ceilings: `ceiling-first-turns-elsewhere` gives first
 turns' prefill to hardware outside the pool (a cold prefill's time on an idle worker, then
@@ -297,20 +300,23 @@ class Disaggregated(Strategy):
         sticky: bool = False,
         free: str | None = None,
         pace_hold: tuple[int, float] | None = None,
+        sjf_window: float | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.split_continuing, self.sticky = split_continuing, sticky
-        self.free, self.pace_hold = free, pace_hold
+        self.free, self.pace_hold, self.sjf_window = free, pace_hold, sjf_window
+        self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
         self.legs: dict[str, dict[int, int]] = {p: {} for p in prefill}
         self.last: dict[str, int] = {}  # session → its previous prompt's tokens
         self.home_prefill: dict[str, str] = {}  # session → where its first turn was prefilled
 
     def place(self, h: Loop, rec: Rec) -> str | None:
-        """`pace_hold` (N, T): a later turn with N or more new tokens waits (up to T s after
-        it was sent) while its prefill, beside what its decode worker has queued, would push
-        one of that worker's decoding users under the SLO's speed."""
+        """`pace_hold` (N, T): a later turn with N or more new tokens waits (while its own
+        prefill would still end within T s of its sending) while its prefill, beside what its
+        decode worker has queued, would push one of that worker's decoding users under the
+        SLO's speed (the router's `flow.pace_hold`)."""
         home = h.home.get(rec.session)
         if home is None:
             return self.place_new(h, rec)
@@ -318,7 +324,8 @@ class Disaggregated(Strategy):
             least, hold_s = self.pace_hold
             new = rec.prompt - self.last.get(rec.session, 0)
             now = h.clock.now()
-            if new >= least and now - rec.sent < hold_s:
+            # as the router's rule: until its own prefill would end hold_s after it was sent
+            if new >= least and now - rec.sent + h.s_per_prefill_token * new < hold_s:
                 cost = h.s_per_prefill_token * (new + h.queued(home))
                 if any(s < cost for s in h.slacks(home, now)):
                     return None
@@ -334,6 +341,7 @@ class Disaggregated(Strategy):
         return sum(r.prompt for r in self.sent[p])
 
     def place_new(self, h: Loop, rec: Rec) -> str | None:
+        self.now = h.clock.now
         staged = rec.prompt >= self.local_below
         if (
             staged
@@ -344,9 +352,21 @@ class Disaggregated(Strategy):
         return min(self.decode, key=lambda w: (len(h.inflight[w]), h.queued(w)))
 
     def order(self, held: list[Rec]) -> list[Rec]:
+        """Shortest first; with `sjf_window` W only among first turns that waited less than W
+        s, the others after them, oldest first (the router's `prefill_sjf_window_s`)."""
         if not self.sjf_below:
             return held
-        return sorted(held, key=lambda r: (r.turn == 0, r.prompt if r.turn == 0 else 0))
+        if self.sjf_window is None:
+            return sorted(held, key=lambda r: (r.turn == 0, r.prompt if r.turn == 0 else 0))
+        now, w = self.now(), self.sjf_window
+
+        def key(r: Rec) -> tuple[bool, bool, float]:
+            if r.turn != 0:
+                return (False, False, 0.0)
+            late = now - r.sent >= w
+            return (True, late, r.sent if late else r.prompt)
+
+        return sorted(held, key=key)
 
     def send(self, h: Loop, worker: str, rec: Rec) -> None:
         new = rec.prompt - self.last.get(rec.session, 0)
@@ -482,6 +502,16 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             ws[:2],
             ws[2:],
             pace_hold=(1024, 1.5),
+            **twin,
+        )
+        # … since 2026-12-05 (afternoon): the pace hold, and shortest first only among the
+        # first turns that waited under 2 s (`prefill_sjf_window_s`)
+        out["pd-2p2d-legbooks-window-2"] = lambda: Disaggregated(
+            "pd-2p2d-legbooks-window-2",
+            ws[:2],
+            ws[2:],
+            pace_hold=(1024, 1.5),
+            sjf_window=2.0,
             **twin,
         )
         for what in ("continuing", "small-first"):

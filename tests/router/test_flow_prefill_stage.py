@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from beamserve.router.flow import FlowConfig, FlowController, PrefillStage, Ticket
 from beamserve.router.types import WorkerLoad
 from hypothesis import HealthCheck, given, settings
@@ -130,6 +131,49 @@ def test_held_prompts_go_shortest_first() -> None:
         assert order == sorted(sizes)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        # those that can still be in time shortest first, then the late ones oldest first
+        (2.0, [20000, 30000, 40000, 5000]),
+        # shortest first among all: the long late one waits for every shorter one
+        (None, [5000, 20000, 30000, 40000]),
+    ],
+)
+def test_items_that_waited_past_the_window_go_after_the_others_oldest_first(
+    window: float | None, expected: list[int]
+) -> None:
+    async def main() -> list[int]:
+        pool = Pool(50000)
+        c = make(pool, prefill_sjf_window_s=window)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs: dict[int, Any] = {}
+        for n in (40000, 5000):  # waiting since before the window
+            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+            await settle()
+            clock.t += 0.1
+        clock.t += 3.0
+        for n in (30000, 20000):  # just came
+            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+        await settle()
+        order: list[int] = []
+        pool.tokens[0] = 0
+        for _ in futs:
+            c.poll()
+            await settle()
+            done = [n for n, f in futs.items() if f.done() and n not in order]
+            assert len(done) == 1, done
+            order.append(done[0])
+            ticket: Ticket = futs[done[0]].result()
+            ticket.routed()
+            pool.tokens[0] = done[0]
+            ticket.release()
+            pool.tokens[0] = 0
+        return order
+
+    assert asyncio.run(main()) == expected
 
 
 def test_an_item_let_through_holds_its_worker_until_routed() -> None:

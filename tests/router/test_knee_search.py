@@ -180,6 +180,7 @@ class _Pool:
     [
         (2048, 0.1, 0.05, False),  # 0.2 s of prefill would push the user under pace: wait
         (2048, 1.6, 0.05, True),  # waited the 1.5 s it may: goes
+        (2048, 1.4, 0.05, True),  # its own 0.2 s prefill would end past 1.5 s: goes
         (2048, 0.1, 0.5, True),  # the user can spare it
         (512, 0.1, 0.05, True),  # under 1,024 new tokens: never held
     ],
@@ -191,3 +192,21 @@ def test_pace_hold_keeps_a_long_later_turn_back_while_it_would_slow_a_user(
     strat.last["s"] = 10_000
     rec = ks.Rec("s", 1, 10_000 + new, 16, 0.0, None)
     assert (strat.place(_Pool(now, slack), rec) == "w2") is placed
+
+
+def test_the_window_row_serves_late_first_turns_oldest_first_after_the_others() -> None:
+    """`pd-2p2d-legbooks-window-2` (the router's `prefill_sjf_window_s`): held first turns that
+    waited under 2 s go shortest first, the others after them oldest first; later turns ahead
+    of all. Without the window (`…-cont-pace-hold-…`) all first turns go shortest first."""
+    recs = [
+        ks.Rec("a", 0, 40_000, 16, 7.0, None),
+        ks.Rec("b", 0, 5_000, 16, 7.5, None),
+        ks.Rec("c", 0, 30_000, 16, 9.5, None),
+        ks.Rec("d", 0, 20_000, 16, 9.0, None),
+        ks.Rec("e", 2, 3_000, 16, 9.9, None),
+    ]
+    window = ks.strategies(4)["pd-2p2d-legbooks-window-2"]()
+    window.now = lambda: 10.0
+    assert [r.session for r in window.order(recs)] == ["e", "d", "c", "a", "b"]
+    plain = ks.strategies(4)["pd-2p2d-legbooks-cont-pace-hold-1024-1.5"]()
+    assert [r.session for r in plain.order(recs)] == ["e", "b", "d", "c", "a"]
