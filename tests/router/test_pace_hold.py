@@ -6,10 +6,8 @@ prompts or short new parts, and nothing it booked leaks."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -32,6 +30,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.conftest import SpawnWorker
+from tests.router.test_router_flow import serving
 
 W0 = [Endpoint("w0", "http://w0:8000")]
 # with a prefill this dear, every stream whose pace is known counts as slowed
@@ -216,17 +215,6 @@ def test_config_is_off_by_default_and_checked() -> None:
 # --- through the router, in front of a real sim worker ---------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def serving(rt: RouterRuntime) -> AsyncIterator[httpx.AsyncClient]:
-    await rt.start()
-    try:
-        t = httpx.ASGITransport(app=rt.app)
-        async with httpx.AsyncClient(transport=t, base_url="http://router", timeout=60) as c:
-            yield c
-    finally:
-        await rt.stop()
-
-
 def metric(text: str, name: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -235,43 +223,58 @@ def metric(text: str, name: str) -> float:
     )
 
 
+FIRST = [{"role": "user", "content": "look at the repository"}]
+LATER = [*FIRST, {"role": "assistant", "content": "ok"},
+         {"role": "user", "content": "the tool said " + "line of output " * 200}]  # fmt: skip
+URL = "/v1/chat/completions"
+SID = {"x-session-id": "c"}
+
+
+def router_on(spawn_worker: SpawnWorker, **flow: Any) -> tuple[RouterRuntime, str]:
+    """A router over one sim worker (H200 timings) whose pace hold keeps 1,000 tokens/s — more
+    than the sim decodes, so any user streaming there can only fall short."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    flow = {"pace_hold_tokens": 8, "pace_hold_user_tok_s": 1000, **flow}
+    eps = parse_endpoint_specs([{"url": w.url}])
+    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
+    return rt, eps[0].id
+
+
+async def turn_beside_a_stream(
+    rt: RouterRuntime, worker: str, c: httpx.AsyncClient, user_tokens: int
+) -> tuple[httpx.Response, asyncio.Task[httpx.Response]]:
+    """Session `c`'s first turn; then user `u` streams `user_tokens` tokens, and once its pace
+    is known (`OWN_PACE_AFTER_S`, three tokens), `c`'s next turn with a long new part."""
+    r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2}, headers=SID)
+    assert r.status_code == 200, r.text
+    body = {"model": "beam", "stream": True, "max_tokens": user_tokens,
+            "messages": [{"role": "user", "content": "write a long answer"}]}  # fmt: skip
+    user = asyncio.create_task(c.post(URL, json=body, headers={"x-session-id": "u"}))
+    for _ in range(400):
+        now = rt.core.clock()
+        if any(x.tokens >= 3 and now - x.first_token_at >= OWN_PACE_AFTER_S
+               for x in rt.core.loads.decodings(worker)):  # fmt: skip
+            break
+        await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the user's stream never showed up in the books")
+    held = await c.post(
+        URL, json={"model": "beam", "messages": LATER, "max_tokens": 2}, headers=SID
+    )
+    assert held.status_code == 200, held.text
+    return held, user
+
+
 def test_through_the_router_a_held_turn_waits_for_the_stream_beside_it(
     spawn_worker: SpawnWorker,
 ) -> None:
-    """One worker: user `u` streams a long answer; session `c`'s next turn, with a new part
-    beside a user who can only fall short (the speed to keep, 1,000 tokens/s, is more than the
-    sim's), waits until `u` ends (released), then is served; with `u` gone a turn like it goes
-    at once."""
-    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    flow = {"pace_hold_tokens": 8, "pace_hold_max_s": 30, "pace_hold_user_tok_s": 1000}
-    eps = parse_endpoint_specs([{"url": w.url}])
-    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
-    sid = {"x-session-id": "c"}
-    first = [{"role": "user", "content": "look at the repository"}]
-    later = [*first, {"role": "assistant", "content": "ok"},
-             {"role": "user", "content": "the tool said " + "line of output " * 200}]  # fmt: skip
-    url = "/v1/chat/completions"
+    """Session `c`'s next turn waits until `u`'s stream ends (released), then is served; with
+    `u` gone a turn like it goes at once, and nothing stays booked."""
+    rt, worker = router_on(spawn_worker, pace_hold_max_s=30)
 
     async def main() -> None:
         async with serving(rt) as c:
-            r = await c.post(url, json={"model": "beam", "messages": first, "max_tokens": 2},
-                             headers=sid)  # fmt: skip
-            assert r.status_code == 200, r.text
-            body = {"model": "beam", "stream": True, "max_tokens": 150,
-                    "messages": [{"role": "user", "content": "write a long answer"}]}  # fmt: skip
-            user = asyncio.create_task(c.post(url, json=body, headers={"x-session-id": "u"}))
-            # wait until u streams with a known pace (two tokens relayed)
-            for _ in range(400):
-                now = rt.core.clock()
-                if any(x.tokens >= 3 and now - x.first_token_at >= OWN_PACE_AFTER_S
-                       for x in rt.core.loads.decodings(eps[0].id)):  # fmt: skip
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail("the user's stream never showed up in the books")
-            held = await c.post(url, json={"model": "beam", "messages": later, "max_tokens": 2},
-                                headers=sid)  # fmt: skip
-            assert held.status_code == 200, held.text
+            _, user = await turn_beside_a_stream(rt, worker, c, 150)
             assert (await user).status_code == 200
             text = (await c.get("/metrics")).text
             # released (not expired: 30 s) once u's stream left the books, ≈ 2 s of 150 tokens
@@ -279,52 +282,28 @@ def test_through_the_router_a_held_turn_waits_for_the_stream_beside_it(
             assert metric(text, "beamserve_router_pace_holds_total") == 1
             assert metric(text, "beamserve_router_pace_hold_seconds_total") >= 0.5
             # nobody streams now: the same kind of turn is not held
-            again = [*later, {"role": "assistant", "content": "ok"},
+            again = [*LATER, {"role": "assistant", "content": "ok"},
                      {"role": "user", "content": "and now " + "more output " * 200}]  # fmt: skip
-            r = await c.post(url, json={"model": "beam", "messages": again, "max_tokens": 2},
-                             headers=sid)  # fmt: skip
+            r = await c.post(URL, json={"model": "beam", "messages": again, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
             assert r.status_code == 200
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_pace_holds_total") == 1
             assert rt.core.open_dispatches == 0
-            load = rt.core.loads.load(eps[0].id)
+            load = rt.core.loads.load(worker)
             assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
 
     asyncio.run(main())
 
 
 def test_through_the_router_the_hold_expires(spawn_worker: SpawnWorker) -> None:
-    """The same, with `pace_hold_max_s` shorter than the stream: the turn goes when its time is
-    up, while the stream beside it still runs."""
-    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    flow = {"pace_hold_tokens": 8, "pace_hold_max_s": 0.5, "pace_hold_user_tok_s": 1000}
-    eps = parse_endpoint_specs([{"url": w.url}])
-    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
-    sid = {"x-session-id": "c"}
-    first = [{"role": "user", "content": "look at the repository"}]
-    later = [*first, {"role": "assistant", "content": "ok"},
-             {"role": "user", "content": "the tool said " + "line of output " * 200}]  # fmt: skip
-    url = "/v1/chat/completions"
+    """With `pace_hold_max_s` shorter than the stream, the turn goes when its time is up,
+    while the stream beside it still runs."""
+    rt, worker = router_on(spawn_worker, pace_hold_max_s=0.5)
 
     async def main() -> None:
         async with serving(rt) as c:
-            r = await c.post(url, json={"model": "beam", "messages": first, "max_tokens": 2},
-                             headers=sid)  # fmt: skip
-            assert r.status_code == 200, r.text
-            body = {"model": "beam", "stream": True, "max_tokens": 400,
-                    "messages": [{"role": "user", "content": "write a long answer"}]}  # fmt: skip
-            user = asyncio.create_task(c.post(url, json=body, headers={"x-session-id": "u"}))
-            for _ in range(400):
-                now = rt.core.clock()
-                if any(x.tokens >= 3 and now - x.first_token_at >= OWN_PACE_AFTER_S
-                       for x in rt.core.loads.decodings(eps[0].id)):  # fmt: skip
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail("the user's stream never showed up in the books")
-            held = await c.post(url, json={"model": "beam", "messages": later, "max_tokens": 2},
-                                headers=sid)  # fmt: skip
-            assert held.status_code == 200, held.text
+            _, user = await turn_beside_a_stream(rt, worker, c, 400)
             assert not user.done()  # it went before the stream ended
             text = (await c.get("/metrics")).text
             assert metric(text, 'beamserve_router_pace_holds_total{outcome="expired"}') == 1
