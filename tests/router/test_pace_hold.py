@@ -167,6 +167,20 @@ def test_the_hold_ends_at_its_time_and_spares_new_sessions_short_parts_and_split
     assert not core.pace_holds(d, RULE)
 
 
+def test_a_turn_cancelled_while_held_leaves_nothing_held() -> None:
+    """A client that leaves during the hold: its flight is released, and with it the held
+    mark — the next turn's check counts what was sent there in full."""
+    clock = Clock()
+    core = RoutingCore(build_policy("sticky-until-saturated"), clock=clock)
+    streaming(core, clock, "u", tokens=33, after_s=1.6)  # slack 0.05 s
+    held = continuing(core, 8000)
+    assert core.pace_holds(held, RULE)
+    core.cancel(held)
+    sent = continuing(core, 3000)  # 0.079 s of prefill, sent: counts
+    assert core.loads.pushed_under("w0", user_tok_s=20.0, prefill_tok_s=38000.0) == 1
+    core.close(sent)
+
+
 def test_streams_leave_the_books_however_they_end() -> None:
     clock = Clock()
     core = RoutingCore(build_policy("sticky-until-saturated"), clock=clock)
