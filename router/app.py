@@ -476,12 +476,12 @@ class Router:
         upstream call)."""
         if not self.core.pace_holds(d, rule):
             return
-        t0 = time.monotonic()
+        t0 = self.core.clock()
         while True:
             await asyncio.sleep(rule.poll_s)
             if not self.core.pace_holds(d, rule):
                 break
-        held = time.monotonic() - t0
+        held = self.core.clock() - t0
         expired = self.core.pace_hold_left(d, rule) <= 0
         self.metrics.pace_holds.labels("expired" if expired else "released").inc()
         self.metrics.pace_hold_seconds.inc(held)

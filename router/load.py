@@ -304,7 +304,6 @@ class _Worker:
     decode_tokens: int = 0
     in_flight: int = 0
     prefilling: int = 0  # own requests booked here (as decode or prefill worker) before 1st token
-    decoding: int = 0  # own requests decoding here
     queue_len: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -320,8 +319,8 @@ class _Worker:
     served: int = 0
     resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
     resting: int = 0
-    # this replica's requests streaming from here (`first_token` to `finish`), for the pace
-    # hold (`beamserve.router.flow.pace_hold`): id(flight) → flight
+    # this replica's requests decoding here (`first_token` to `finish`): id(flight) → flight,
+    # read by the pace hold (`beamserve.router.flow.pace_hold`)
     streaming: dict[int, Flight] = field(default_factory=dict)
     held_tokens: int = 0  # prefill tokens of the flights the pace hold keeps back (`hold`)
     # log of the running geometric mean of finished requests' s/token (`decoded`), and of
@@ -329,6 +328,11 @@ class _Worker:
     log_itl: float | None = None
     log_itl_alone: float | None = None
     decoded_at: float = float("-inf")
+
+    @property
+    def decoding(self) -> int:
+        """Own requests decoding here."""
+        return len(self.streaming)
 
 
 _IDLE = WorkerLoad()  # a worker the book has never seen: no load, never scraped, healthy
@@ -471,7 +475,6 @@ class LoadBook:
         self._release_prefill(f)
         d = self._w(f.worker)
         d.decode_tokens += f.context_tokens
-        d.decoding += 1
         d.streaming[id(f)] = f
         self._changed(f)
 
@@ -483,7 +486,6 @@ class LoadBook:
         else:
             d = self._w(f.worker)
             d.decode_tokens -= f.context_tokens
-            d.decoding -= 1
             d.streaming.pop(id(f), None)
         d = self._w(f.worker)
         d.in_flight -= 1

@@ -192,10 +192,7 @@ class FlowConfig(BaseModel):
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
     | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
     | `prefill_sjf_window_s` | ``2`` | … shortest first among items that waited less (null: all) |
-    | `pace_hold_tokens` | ``null`` | pace hold (`pace_hold`): continuing turns this long may wait |
-    | `pace_hold_max_s` | ``1.5`` | … until their own prefill would end this late (s) |
-    | `pace_hold_user_tok_s` | ``20`` | … while a user beside them would fall under this speed |
-    | `pace_hold_prefill_tok_s` | ``38000`` | … reckoning a prefill token's cost at this rate |
+    | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """

@@ -54,11 +54,15 @@ Config example: ``flow: {pace_hold_tokens: 1024}``.
 on 8 × H200 in bf16 (the sim's `h200-bf16-tp8` profile) 2.5–2.7e-5 s beside 8–32 decoding users,
 ≈ 38,000 tokens/s (`scripts/knee-search.py`, `step_costs`). Set the deployment's own.
 
-Measured on virtual time first (`scripts/knee-search.py`, row
-`pd-2p2d-legbooks-cont-pace-hold-1024-1.5`: 15.21 against 14.69 r/s of goodput without it at 64
-agents, 3 seeds), then over HTTP (docs/bench/agentic.md). Off by default
+Measured on virtual time first (`scripts/knee-search.py`, 64 agents, 3 seeds: row
+`pd-2p2d-legbooks-cont-pace-hold-1024-1.5`, 14.94 r/s of goodput against 14.69 without it),
+then over HTTP beside the gateways on the same workers (docs/bench/agentic.md, "The pace hold,
+and late first turns oldest first": slow continuing turns 41–51 a run instead of 102–110, the
+pool's goodput 1.20–1.24 × the best gateway's instead of 1.16–1.19 ×). Off by default
 (`pace_hold_tokens: null`): it trades a continuing turn's TTFT (up to `pace_hold_max_s`) for
-the speed of the users beside it, which pays only where the pool runs at its knee.
+the speed of the users beside it; on a colocated pool it gave 1.025 × on virtual time, within
+the seeds' range. Only the HTTP front door holds: the ext_proc picker sees no response stream
+to count.
 """
 
 from __future__ import annotations
@@ -74,13 +78,14 @@ OWN_PACE_AFTER_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class PaceHold:
-    """The rule's parameters (`FlowConfig.pace_hold`): `min_tokens` uncached tokens make a
-    request a candidate; it waits at most `max_s` after admission."""
+    """The rule's parameters, as `FlowConfig.pace_hold` gives them (its defaults there):
+    `min_tokens` uncached tokens make a request a candidate; `max_s`, `user_tok_s`,
+    `prefill_tok_s` as in the module docstring; `poll_s` between checks."""
 
     min_tokens: int
-    max_s: float = 1.5
-    user_tok_s: float = 20.0
-    prefill_tok_s: float = 38000.0
+    max_s: float
+    user_tok_s: float
+    prefill_tok_s: float
     poll_s: float = 0.05
 
 
