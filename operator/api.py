@@ -365,6 +365,17 @@ class FlowControlSpec(_Model):
     """At that stage, shortest first only among the new sessions that waited less than this
     (they can still meet a TTFT bound this long); the others after them, oldest first; null:
     shortest first among all (docs/policies.md, "The prefill stage of a disaggregated pool")."""
+    prefill_spill_after_seconds: Annotated[float, Field(ge=0)] | None = None
+    """At that stage, a new session that waited this long may instead be prefilled on a decode
+    worker that has room for it (its queued prefill within prefillSpillMaxTokens, its users'
+    slack beyond prefillSpillMarginSeconds); null: never (docs/policies.md, "The prefill
+    stage of a disaggregated pool")."""
+    prefill_spill_max_tokens: Annotated[int, Field(ge=1)] = 49152
+    """A decode worker takes a spilled prefill only while its queued prefill, with it, stays
+    within this."""
+    prefill_spill_margin_seconds: Annotated[float, Field(ge=0)] = 0.5
+    """… and while each user streaming from it keeps this much slack beyond that prefill, at
+    paceHoldUserTokensPerSecond (prefill priced at paceHoldPrefillTokensPerSecond)."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

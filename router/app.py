@@ -451,6 +451,8 @@ class Router:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
             hashing_s = 0.0
             self._record_decision(decision, rreq)
+            if d.spilled:
+                self.metrics.prefill_spills.inc()
             if self._pace_hold is not None:
                 await self._hold_for_pace(d, self._pace_hold)
             try:

@@ -82,7 +82,9 @@ class Dispatch:
     """One request's way through the router, from admission to its end (module docstring).
 
     `decision`/`flight`: the current attempt's routing decision and booked load (None while
-    admitted). `attempts`: how many attempts were given up before the first byte."""
+    admitted). `attempts`: how many attempts were given up before the first byte. `spilled`:
+    the current attempt went, as the flow gate's prefill stage asked, to the decode worker
+    that prefills it itself (`Ticket.spill_to`)."""
 
     request: RouteRequest
     ticket: Releasable | None = None
@@ -93,6 +95,7 @@ class Dispatch:
     excluded: set[str] = field(default_factory=set)
     first_token_at: float | None = None
     opened_at: float = 0.0
+    spilled: bool = False
 
     @property
     def closed(self) -> bool:
@@ -206,9 +209,15 @@ class RoutingCore:
         ]
 
     def decide(
-        self, request: RouteRequest, endpoints: Sequence[Endpoint], warm: str | None = None
+        self,
+        request: RouteRequest,
+        endpoints: Sequence[Endpoint],
+        warm: str | None = None,
+        *,
+        local: bool = False,
     ) -> RouteDecision:
-        """Raises `beamserve.router.policy.NoCandidates` when no decode worker fits."""
+        """Raises `beamserve.router.policy.NoCandidates` when no decode worker fits. `local`:
+        the decode worker prefills it itself (no disaggregation)."""
         peers = self.loads.peers
         now = self.clock()
         since, self._last_decision_at = now - self._last_decision_at, now
@@ -227,6 +236,8 @@ class RoutingCore:
             request = replace(request, pool_saturated=True)
         views = self.views(request, endpoints, warm)
         decision = self.policy.route(request, [v for v in views if v.endpoint.can_decode])
+        if local:
+            return replace(decision, explain=f"{decision.explain} | disagg=no (spilled)")
         if self.disaggregation is not None:
             decision = self.disaggregation.apply(request, decision, views)
         return decision
@@ -248,7 +259,12 @@ class RoutingCore:
         eps = [e for e in endpoints if e.id not in d.excluded] if d.excluded else endpoints
         if warm is not None and warm in d.excluded:
             warm = None
-        decision = self.decide(d.request, eps, warm)
+        # Spilled by the flow gate's prefill stage: to the decode worker it found room on,
+        # prefilled there (gone or excluded since: routed as any other request).
+        spill = getattr(d.ticket, "spill_to", None)
+        only = [e for e in eps if e.id == spill] if spill is not None else []
+        d.spilled = bool(only)
+        decision = self.decide(d.request, only or eps, warm, local=d.spilled)
         d.decision = decision
         d.flight = self.dispatched(d.request, decision)
         d.phase = "dispatched"

@@ -669,6 +669,39 @@ class LoadBook:
             worker_step_s=self._pace(w, now),
         )
 
+    def spill_room(
+        self,
+        worker: str,
+        cost: int,
+        now: float | None = None,
+        *,
+        max_tokens: int,
+        margin_s: float,
+        user_tok_s: float,
+        prefill_tok_s: float,
+    ) -> int | None:
+        """Can `worker` prefill `cost` more tokens itself now (the flow gate's prefill spill,
+        `FlowConfig.prefill_spill`)? Yes when the prefill queued there from every replica,
+        with `cost`, stays within `max_tokens` and none of this replica's users streaming from
+        it would be pushed under `user_tok_s` by that prefill plus `margin_s`. Returns the
+        queued tokens with `cost` (lower is roomier), or None for no."""
+        queued = self.load(worker, now).effective_prefill_tokens + max(cost, 0)
+        if queued > max_tokens:
+            return None
+        w = self._workers.get(worker)
+        if w is None or not w.streaming:
+            return queued
+        now = self.clock() if now is None else now
+        pushed = pushed_under(
+            self.decodings(worker),
+            queued + round(margin_s * prefill_tok_s),
+            now,
+            user_tok_s=user_tok_s,
+            prefill_tok_s=prefill_tok_s,
+            worker_step_s=self._pace(w, now),
+        )
+        return None if pushed else queued
+
     def _pace(self, w: _Worker, now: float) -> float | None:
         if w.log_itl is None or w.decoding <= 0:
             return None

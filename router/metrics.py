@@ -161,6 +161,12 @@ class RouterMetrics:
             "Seconds continuing turns spent in the pace hold.",
             registry=r,
         )
+        self.prefill_spills = Counter(
+            "beamserve_router_prefill_spills",
+            "New sessions held at the prefill stage of a P/D pool and then prefilled on a decode "
+            "worker that had room for them (flow.prefill_spill_after_s).",
+            registry=r,
+        )
         self.disaggregated = Counter(
             "beamserve_router_disaggregated", "Requests prefilled on the prefill pool.", registry=r
         )

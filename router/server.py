@@ -130,7 +130,9 @@ class RouterRuntime:
         # P/D pools: new sessions' long prompts queue here, shortest first, while the prefill
         # workers are busy (`FlowController`, "The prefill stage"); a prefill done reopens it.
         self.flow.prefill_stage = PrefillStage(
-            self._prefill_stage_loads, disagg.params.min_uncached_tokens
+            self._prefill_stage_loads,
+            disagg.params.min_uncached_tokens,
+            self._spill_target if self.flow.config.prefill_spill() is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url)
@@ -284,6 +286,31 @@ class RouterRuntime:
         return [
             self.loads.load(e.id) for e in self._discovered if e.can_prefill and not e.can_decode
         ]
+
+    def _spill_target(self, cost: int, pending: Mapping[str, int]) -> str | None:
+        """The decode worker (one that receives KV handoffs, healthy) that can prefill a held
+        new session of `cost` tokens itself now, the roomiest first; `pending`: tokens
+        spilled to each and not routed yet (`FlowConfig.prefill_spill`)."""
+        rule = self.flow.config.prefill_spill()
+        if rule is None:
+            return None
+        now = self.loads.clock()
+        best: tuple[int, str] | None = None
+        for e in self._discovered:
+            if not (e.can_decode and e.receives_kv) or not self.loads.load(e.id, now).healthy:
+                continue
+            queued = self.loads.spill_room(
+                e.id,
+                cost + pending.get(e.id, 0),
+                now,
+                max_tokens=rule.max_tokens,
+                margin_s=rule.margin_s,
+                user_tok_s=rule.user_tok_s,
+                prefill_tok_s=rule.prefill_tok_s,
+            )
+            if queued is not None and (best is None or (queued, e.id) < best):
+                best = (queued, e.id)
+        return None if best is None else best[1]
 
     def _observe_pool(self) -> None:
         self._observe_due = False

@@ -378,6 +378,16 @@ PD_RULE_FIRST_TURNS = (
     json.dumps({"pace_hold_tokens": 1024}),
 )
 
+# … and a new session held at the prefill stage 1 s or more may be prefilled on a decode worker
+# instead, while that worker's queued prefill stays within 48K tokens and its streaming users
+# keep 0.5 s of slack beyond it (`FlowConfig.prefill_spill_after_s`).
+PD_RULE_SPILL = (
+    "--disaggregation",
+    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
+    "--flow",
+    json.dumps({"pace_hold_tokens": 1024, "prefill_spill_after_s": 1.0}),
+)
+
 
 def _baseline_exe() -> str | None:
     """`BEAMSERVE_BASELINE`: the `beamserve` executable of another build (an earlier commit,
@@ -412,6 +422,9 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-2p2d", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_FIRST_TURNS),
+        RouterSpec("beamserve-2p2d-spill", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
+                   extra_args=PD_RULE_SPILL),
         RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",

@@ -192,6 +192,10 @@ class FlowConfig(BaseModel):
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
     | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
     | `prefill_sjf_window_s` | ``2`` | … shortest first among items that waited less (null: all) |
+    | `prefill_spill_after_s` | off | P/D pools: a new session held this long may be prefilled |
+    |  |  | on a decode worker with room for it (module docstring) |
+    | `prefill_spill_max_tokens` | ``49152`` | … whose queued prefill, with it, stays within this |
+    | `prefill_spill_margin_s` | ``0.5`` | … and whose users keep this slack beyond that prefill |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
@@ -211,6 +215,9 @@ class FlowConfig(BaseModel):
     lifo_max_wait_s: float = Field(default=30.0, gt=0)
     prefill_gate_tokens: int | None = Field(default=32768, ge=1)
     prefill_sjf_window_s: float | None = Field(default=2.0, gt=0)
+    prefill_spill_after_s: float | None = Field(default=None, ge=0)
+    prefill_spill_max_tokens: int = Field(default=49152, ge=1)
+    prefill_spill_margin_s: float = Field(default=0.5, ge=0)
     pace_hold_tokens: int | None = Field(default=None, ge=1)
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
@@ -234,6 +241,18 @@ class FlowConfig(BaseModel):
         return PaceHold(
             self.pace_hold_tokens,
             self.pace_hold_max_s,
+            self.pace_hold_user_tok_s,
+            self.pace_hold_prefill_tok_s,
+        )
+
+    def prefill_spill(self) -> PrefillSpill | None:
+        """The spill rule of the prefill stage (module docstring), None when off."""
+        if self.prefill_spill_after_s is None:
+            return None
+        return PrefillSpill(
+            self.prefill_spill_after_s,
+            self.prefill_spill_max_tokens,
+            self.prefill_spill_margin_s,
             self.pace_hold_user_tok_s,
             self.pace_hold_prefill_tok_s,
         )
@@ -281,13 +300,36 @@ class _Item:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillSpill:
+    """The spill rule's values, as `FlowConfig.prefill_spill` gives them: an item held at the
+    prefill stage `after_s` or longer may go to a decode worker whose queued prefill, with
+    it, stays within `max_tokens` and whose streaming users keep `margin_s` of slack beyond
+    that prefill (at `user_tok_s` each; prefill priced at `prefill_tok_s`)."""
+
+    after_s: float
+    max_tokens: int
+    margin_s: float
+    user_tok_s: float
+    prefill_tok_s: float
+
+
+SPILL_POLL_S = 0.05  # while a spill waits for a decode worker's room, how often to look
+# (cost of the item, tokens already spilled to each worker and not routed yet) → the decode
+# worker that can prefill it itself now, or None
+SpillTarget = Callable[[int, Mapping[str, int]], str | None]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillStage:
     """The prefill workers of a disaggregated pool, as the gate sees them (module docstring,
     "The prefill stage"): `loads()` gives their current loads (an empty list: no stage now);
-    items cheaper than `min_tokens` are not split by the P/D rule and pass ungated."""
+    items cheaper than `min_tokens` are not split by the P/D rule and pass ungated. `spill`
+    (None: never) finds a decode worker that can prefill a held item itself
+    (`FlowConfig.prefill_spill`)."""
 
     loads: Callable[[], list[WorkerLoad]]
     min_tokens: int = 0
+    spill: SpillTarget | None = None
 
 
 class Ticket:
@@ -304,11 +346,14 @@ class Ticket:
         self.cost_tokens = cost_tokens
         self.waited_s = waited_s
         self.released = False
+        # The prefill stage spilled it (module docstring): the decode worker that prefills it
+        self.spill_to: str | None = None
 
     def routed(self) -> None:
         """The request was routed and its load booked (`RoutingCore.route` calls this): the
         prefill stage now sees it in the workers' loads."""
         self._controller._unrouted.pop(self, None)
+        self._controller._spilling.pop(self, None)
 
     def release(self, service_tokens: int | None = None) -> None:
         """Return this request's room; credit its tenant `service_tokens` (default:
@@ -317,6 +362,7 @@ class Ticket:
             return
         self.released = True
         self._controller._unrouted.pop(self, None)
+        self._controller._spilling.pop(self, None)
         served = self.cost_tokens if service_tokens is None else service_tokens
         self._controller._on_release(self, served)
 
@@ -387,6 +433,10 @@ class FlowController:
         # through that are not routed yet (their load is not in the workers' books).
         self.prefill_stage: PrefillStage | None = None
         self._unrouted: dict[Ticket, int] = {}
+        self._spill = self.config.prefill_spill()
+        self._spilling: dict[Ticket, tuple[str, int]] = {}  # spilled, not routed: worker, cost
+        self._spill_check_at = math.inf  # when `_spill_held` wants to look again
+        self.spilled = 0  # items the stage spilled to a decode worker (a counter)
 
     # --- public --------------------------------------------------------------------------------
 
@@ -575,6 +625,49 @@ class FlowController:
             rooms.pop(0)  # an unrouted item fills the roomiest worker (it would go there)
         return any(r > 0 for r in rooms)
 
+    def _spill_held(self, band: Band, now: float) -> None:
+        """While the stage is closed: dispatch the held items of `band` that waited
+        `PrefillSpill.after_s` or longer, in the stage's order, each marked with the decode
+        worker that can prefill it itself now (module docstring, "The prefill stage"); stop
+        at the first that none can take."""
+        rule, stage = self._spill, self.prefill_stage
+        if rule is None or stage is None or stage.spill is None:
+            return
+        window = self.config.prefill_sjf_window_s
+        while True:
+            held = [
+                it
+                for q in self._queues[band].values()
+                for it in q
+                if it.cost >= stage.min_tokens and not it.future.cancelled()
+            ]
+            items = [it for it in held if now - it.enqueued_at >= rule.after_s]
+            if not items:
+                # look again when the next one has waited long enough
+                if held:
+                    first = min(it.enqueued_at for it in held) + rule.after_s
+                    self._spill_check_at = min(self._spill_check_at, first)
+                return
+
+            def order(it: _Item) -> tuple[bool, int]:
+                late = window is None or now - it.enqueued_at >= window
+                return (late, it.seq if late else it.cost)
+
+            item = min(items, key=order)
+            pending: dict[str, int] = {}
+            for worker, cost in self._spilling.values():
+                pending[worker] = pending.get(worker, 0) + cost
+            target = stage.spill(item.cost, pending)
+            if target is None:
+                # the decode workers' users may gain slack as they stream: look again soon
+                self._spill_check_at = min(self._spill_check_at, now + SPILL_POLL_S)
+                return
+            self._dispatch(item, now)
+            if item.ticket is not None:
+                item.ticket.spill_to = target
+                self._spilling[item.ticket] = (target, item.cost)
+            self.spilled += 1
+
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest
         item has waited at least `lifo_after_s` but less than `lifo_max_wait_s` (or half the
@@ -616,6 +709,7 @@ class FlowController:
                 and self._stage_gating()
             )
             if staged and not self._stage_open():
+                self._spill_held(item.band, now)
                 break  # the prefill workers are busy: shortest first when one has room
             if item.band == "continuing" and not held:
                 pass  # never held by the gate (module docstring, "Saturation gate")
@@ -753,12 +847,14 @@ class FlowController:
         return len(self._dispatches) / window
 
     def _arm_timer(self) -> None:
-        """Keep one event-loop timer at the earliest live TTL deadline."""
+        """Keep one event-loop timer at the earliest live TTL deadline (or the prefill
+        stage's next spill check, when sooner)."""
         while self._deadlines and self._deadlines[0][2].state != _QUEUED:
             heapq.heappop(self._deadlines)
         if self._loop is None or self._loop.is_closed():
             return
         deadline = self._deadlines[0][0] if self._deadlines else math.inf
+        deadline = min(deadline, self._spill_check_at)
         if deadline == self._timer_at:
             return
         if self._timer is not None:
@@ -771,4 +867,5 @@ class FlowController:
 
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, math.inf
+        self._spill_check_at = math.inf
         self._pump()

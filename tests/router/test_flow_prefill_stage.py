@@ -260,3 +260,165 @@ def test_every_item_is_admitted_or_cancelled_and_the_books_return_to_zero(
         assert not c._unrouted
 
     asyncio.run(main())
+
+
+# --- the spill: a held new session prefilled on a decode worker with room (FlowConfig) -------
+
+
+class Decoders:
+    """Decode workers' room for a spilled prefill, as `RouterRuntime._spill_target` would find
+    it: `room[w]` tokens each (a worker is picked while the item, with what was spilled to
+    it and not routed yet, fits); records every question asked."""
+
+    def __init__(self, **room: int) -> None:
+        self.room = room
+        self.asked: list[tuple[int, dict[str, int]]] = []
+
+    def __call__(self, cost: int, pending: Any) -> str | None:
+        self.asked.append((cost, dict(pending)))
+        fits = [w for w, r in self.room.items() if cost + pending.get(w, 0) <= r]
+        return max(fits, key=lambda w: self.room[w] - pending.get(w, 0)) if fits else None
+
+
+def spilling(pool: Pool, decoders: Decoders, **config: Any) -> FlowController:
+    c = make(pool, prefill_spill_after_s=1.0, **config)
+    c.prefill_stage = PrefillStage(pool.loads, 2048, decoders)
+    return c
+
+
+def test_a_held_item_spills_to_a_decode_worker_with_room_once_it_waited_long_enough() -> None:
+    async def main() -> None:
+        pool, dec = Pool(50000, 50000), Decoders(d1=40000, d2=0)
+        c = spilling(pool, dec)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        fut = asyncio.ensure_future(c.admit("new", "s", 30000))
+        await settle()
+        assert not fut.done() and not dec.asked  # not waited 1 s yet: not even asked
+        clock.t += 1.0
+        c.poll()
+        await settle()
+        assert fut.done()
+        t: Ticket = fut.result()
+        assert t.spill_to == "d1" and c.spilled == 1
+        assert not c._unrouted  # it takes no prefill worker's room
+        t.routed()
+        t.release()
+        assert c.stats().in_flight == 0 and not c._spilling
+
+    asyncio.run(main())
+
+
+def test_no_decode_worker_with_room_keeps_it_held_and_looks_again_soon() -> None:
+    async def main() -> None:
+        pool, dec = Pool(50000), Decoders(d1=10000)
+        c = spilling(pool, dec)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        fut = asyncio.ensure_future(c.admit("new", "s", 30000))
+        await settle()
+        clock.t += 2.0
+        c.poll()
+        await settle()
+        assert not fut.done() and dec.asked
+        assert c._spill_check_at <= clock.t + 0.05  # the timer looks again while it waits
+        dec.room["d1"] = 30000  # the worker's users gained slack
+        c._on_timer()
+        await settle()
+        assert fut.done() and fut.result().spill_to == "d1"
+        fut.result().release()
+        assert not c._spilling
+
+    asyncio.run(main())
+
+
+def test_spilled_items_not_routed_yet_count_against_their_worker() -> None:
+    async def main() -> None:
+        pool, dec = Pool(50000), Decoders(d1=50000)
+        c = spilling(pool, dec)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        b = asyncio.ensure_future(c.admit("new", "b", 30000))
+        await settle()
+        clock.t += 1.5
+        c.poll()
+        await settle()
+        assert a.done() and not b.done()  # 30K + 30K would overfill d1
+        assert dec.asked[-1] == (30000, {"d1": 30000})
+        a.result().routed()  # now in the worker's books (here: not), no longer pending
+        c.poll()
+        await settle()
+        assert b.done()
+        a.result().release()
+        b.result().release()
+
+    asyncio.run(main())
+
+
+def test_the_stage_with_room_or_no_spill_rule_never_spills() -> None:
+    async def main() -> None:
+        dec = Decoders(d1=10**6)
+        c = spilling(Pool(0), dec)  # a prefill worker has room: the item goes there
+        t = await asyncio.wait_for(c.admit("new", "s", 30000), 1)
+        assert t.spill_to is None and not dec.asked
+        t.release()
+        off = make(Pool(50000))  # spill off (the default)
+        off.prefill_stage = PrefillStage(Pool(50000).loads, 2048, dec)
+        clock: FakeClock = off._clock  # type: ignore[assignment]
+        fut = asyncio.ensure_future(off.admit("new", "s", 30000))
+        await settle()
+        clock.t += 10
+        off.poll()
+        await settle()
+        assert not fut.done() and not dec.asked
+        fut.cancel()
+        await settle()
+
+    asyncio.run(main())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(2048, 80000), min_size=1, max_size=10),
+    room=st.integers(0, 120000),
+    waits=st.lists(st.floats(0, 3), min_size=1, max_size=10),
+    cancel=st.sets(st.integers(0, 9)),
+)
+def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
+    sizes: list[int], room: int, waits: list[float], cancel: set[int]
+) -> None:
+    """Whatever the sizes, arrival gaps and cancellations: no spill sends a worker more than
+    its room before the items are routed; every item is admitted once or cancelled, and
+    nothing stays counted."""
+
+    async def main() -> None:
+        pool, dec = Pool(90000), Decoders(d1=room)
+        c = spilling(pool, dec)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs = []
+        for i, n in enumerate(sizes):
+            futs.append(asyncio.ensure_future(c.admit("new", f"s{i}", n)))
+            await settle()
+            clock.t += waits[i % len(waits)]
+            c.poll()
+            await settle()
+            spilled = [f.result() for f in futs if f.done() and not f.cancelled()]
+            assert sum(t.cost_tokens for t in spilled) <= room
+        for i in cancel:
+            if i < len(futs) and not futs[i].done():
+                futs[i].cancel()
+        await settle()
+        pool.tokens = [0]
+        for _ in range(len(sizes) + 1):
+            c.poll()
+            await settle()
+            for f in futs:
+                if f.done() and not f.cancelled():
+                    t = f.result()
+                    t.routed()
+                    t.release()
+        assert all(f.done() for f in futs)
+        s = c.stats()
+        assert s.queued["new"] == 0 and s.in_flight == 0 and s.in_flight_tokens == 0
+        assert s.admitted["new"] + s.cancelled["new"] == len(sizes)
+        assert not c._unrouted and not c._spilling
+
+    asyncio.run(main())
