@@ -301,11 +301,14 @@ class Disaggregated(Strategy):
         free: str | None = None,
         pace_hold: tuple[int, float] | None = None,
         sjf_window: float | None = None,
+        spill: tuple[float, int, float] | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.split_continuing, self.sticky = split_continuing, sticky
         self.free, self.pace_hold, self.sjf_window = free, pace_hold, sjf_window
+        self.spill = spill
+        self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
         self.legs: dict[str, dict[int, int]] = {p: {} for p in prefill}
@@ -348,8 +351,34 @@ class Disaggregated(Strategy):
             and self.sjf_below
             and min(self.backlog(h, p) for p in self.prefill) >= (self.sjf_below)
         ):
-            return None
+            return self._spill_to(h, rec)
         return min(self.decode, key=lambda w: (len(h.inflight[w]), h.queued(w)))
+
+    def _spill_to(self, h: Loop, rec: Rec) -> str | None:
+        """`spill` (after, most, margin): a held first turn that waited `after` s goes to the
+        decode worker with the least queued prefill among those whose queue, with it, stays
+        within `most` tokens and whose decoding users keep `margin` s of slack beyond that
+        prefill; it is prefilled there (the router's `flow.prefill_spill_after_s`)."""
+        if self.spill is None:
+            return None
+        after, most, margin = self.spill
+        now = h.clock.now()
+        if now - rec.sent < after:
+            return None
+        best: tuple[int, str] | None = None
+        for d in self.decode:
+            queued = h.queued(d) + rec.prompt
+            if queued > most:
+                continue
+            cost = h.s_per_prefill_token * queued
+            if any(s < cost + margin for s in h.slacks(d, now)):
+                continue
+            if best is None or (queued, d) < best:
+                best = (queued, d)
+        if best is None:
+            return None
+        self.spilled.add(id(rec))
+        return best[1]
 
     def order(self, held: list[Rec]) -> list[Rec]:
         """Shortest first; with `sjf_window` W only among first turns that waited less than W
@@ -383,8 +412,8 @@ class Disaggregated(Strategy):
             else:
                 h.submit(worker, rec, rec.req)
             return
-        if rec.prompt < self.local_below:
-            if self.free == "small-first":
+        if rec.prompt < self.local_below or id(rec) in self.spilled:
+            if self.free == "small-first" and id(rec) not in self.spilled:
                 self._remote(h, worker, rec, h.lat.prefill_seconds(rec.prompt))
             else:
                 h.submit(worker, rec, rec.req)
@@ -512,6 +541,25 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             ws[2:],
             pace_hold=(1024, 1.5),
             sjf_window=2.0,
+            **twin,
+        )
+        # … since 2026-12-05 (evening): first turns held 1 s spill to a decode worker with room
+        out["pd-2p2d-spill"] = lambda: Disaggregated(
+            "pd-2p2d-spill",
+            ws[:2],
+            ws[2:],
+            pace_hold=(1024, 1.5),
+            sjf_window=2.0,
+            spill=(1.0, 49152, 0.5),
+            **twin,
+        )
+        out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
+            "pd-2p2d-spill-no-bound",
+            ws[:2],
+            ws[2:],
+            pace_hold=(1024, 1.5),
+            sjf_window=2.0,
+            spill=(0.0, 10**9, 0.0),
             **twin,
         )
         for what in ("continuing", "small-first"):

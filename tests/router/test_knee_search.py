@@ -210,3 +210,42 @@ def test_the_window_row_serves_late_first_turns_oldest_first_after_the_others() 
     assert [r.session for r in window.order(recs)] == ["e", "d", "c", "a", "b"]
     plain = ks.strategies(4)["pd-2p2d-legbooks-cont-pace-hold-1024-1.5"]()
     assert [r.session for r in plain.order(recs)] == ["e", "b", "d", "c", "a"]
+
+
+class _Decoders(_Pool):
+    """Two prefill workers with a long queue, and the decode workers `w2`/`w3`: `queued[w]`
+    tokens waiting there, each with one decoding user of `slack` seconds to spare."""
+
+    def __init__(self, now: float, slack: float, queued: dict[str, int]) -> None:
+        super().__init__(now, slack)
+        self.home = {}
+        self.q = {"w0": 60_000, "w1": 60_000, **queued}
+        self.inflight: dict[str, list[Any]] = {w: [] for w in ("w0", "w1", "w2", "w3")}
+
+    def queued(self, worker: str) -> int:
+        return self.q[worker]
+
+
+@pytest.mark.parametrize(
+    ("now", "slack", "queued", "placed"),
+    [
+        (0.5, 9.0, {"w2": 0, "w3": 0}, None),  # waited under 1 s: held
+        (1.2, 9.0, {"w2": 5_000, "w3": 0}, "w3"),  # the roomiest decode worker
+        (1.2, 9.0, {"w2": 30_000, "w3": 30_000}, None),  # 30K + 30K over the 48K bound
+        (1.2, 3.6, {"w2": 0, "w3": 0}, "w2"),  # 30K × 1e-4 = 3 s of prefill + 0.5 s ≤ 3.6 s
+        (1.2, 3.4, {"w2": 0, "w3": 0}, None),  # … > 3.4 s: the user would fall behind
+    ],
+)
+def test_the_spill_row_sends_a_held_first_turn_to_a_decode_worker_with_room(
+    now: float, slack: float, queued: dict[str, int], placed: str | None
+) -> None:
+    """`pd-2p2d-spill` (the router's `flow.prefill_spill_after_s`): a first turn held 1 s at
+    a busy prefill stage goes to a decode worker whose queue stays within 48K tokens with
+    it and whose users keep 0.5 s of slack beyond its prefill; it is then prefilled there."""
+    strat = ks.strategies(4)["pd-2p2d-spill"]()
+    rec = ks.Rec("s", 0, 30_000, 16, 0.0, None)
+    pool = _Decoders(now, slack, queued)
+    pool.legs = {}
+    strat.legs = {"w0": {1: 60_000}, "w1": {1: 60_000}}  # both prefill workers' legs booked
+    assert strat.place(pool, rec) == placed
+    assert (id(rec) in strat.spilled) is (placed is not None)
