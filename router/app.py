@@ -57,6 +57,7 @@ from beamserve.router.api.sse import (
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
 from beamserve.router.flow.pace_hold import PaceHold
+from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
@@ -180,6 +181,7 @@ class Router:
         self._kv_totals = kv_event_totals or dict
         self.metrics = RouterMetrics(self._live)
         self._pace_hold = flow.config.pace_hold()
+        self._pieces = flow.config.prefill_pieces()
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
         self._sweep_at = 64
@@ -395,6 +397,7 @@ class Router:
             prompt_tokens=prompt.prompt_tokens,
             block_hashes=prompt.block_hashes,
             hashes_for=prompt.hashes_for,  # workers of another KV geometry
+            token_ids=lambda: prompt.token_ids,  # the prefill in pieces (`flow.prefill_piece_*`)
             session_id=session_id,
             turn=(record.turns if record is not None else 0),
             band=band,
@@ -455,6 +458,8 @@ class Router:
                 self.metrics.prefill_spills.inc()
             if self._pace_hold is not None:
                 await self._hold_for_pace(d, self._pace_hold)
+            if self._pieces is not None:
+                await self._prefill_in_pieces(turn, decision, self._pieces)
             try:
                 if turn.call.stream:
                     return await self._stream(turn, decision)
@@ -495,6 +500,68 @@ class Router:
             expired=expired,
         )
 
+    async def _prefill_in_pieces(
+        self, turn: _Turn, decision: RouteDecision, rule: PrefillPieces
+    ) -> None:
+        """Send the prompt's growing prefixes to its decode worker first, when the rule says so
+        (`beamserve.router.flow.pieces`); any failure just ends the pieces."""
+        d = turn.dispatch
+        rreq, f = d.request, d.flight
+        if f is None or rreq.token_ids is None:
+            return
+        if not wants_pieces(rule, rreq.band, decision.prefill is not None, f.prefill_tokens):
+            return
+        ids = rreq.token_ids()
+        cuts = piece_cuts(len(ids), f.prefill_tokens, rule.piece_tokens, self.hasher.block_size)
+        if not cuts:
+            return
+        model = turn.call.body.get("model") or rreq.model or self.settings.served_models[0]
+        ep, sent, t0 = decision.decode, 0, self.core.clock()
+        outcome = "done"
+        for n in cuts:
+            body = {"model": model, "prompt": list(ids[:n]), "max_tokens": 1, "stream": False}
+            try:
+                await self.upstreams.post(
+                    ep, "/v1/completions", body, self.upstreams.first_byte_timeout_s
+                )
+            except (UpstreamError, APIError) as exc:
+                outcome = "failed"
+                log.warning(
+                    "router.prefill_piece_failed",
+                    request_id=rreq.request_id,
+                    worker=ep.id,
+                    tokens=n,
+                    error=str(exc),
+                )
+                break
+            sent += 1
+        self.metrics.prefill_pieces.inc(sent)
+        self.metrics.pieced_prefills.labels(outcome).inc()
+        d.pieced_tokens = cuts[sent - 1] if sent else 0
+        log.debug(
+            "router.prefill_pieces",
+            request_id=rreq.request_id,
+            worker=ep.id,
+            pieces=sent,
+            primed_tokens=d.pieced_tokens,
+            seconds=round(self.core.clock() - t0, 3),
+        )
+
+    def _check_pieces(self, d: Dispatch, usage: Mapping[str, Any]) -> None:
+        """Count a prefill in pieces whose request found less cached than its pieces sent
+        (the router's tokens are not the engine's, or the cache dropped them)."""
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        if not isinstance(cached, int) or cached >= d.pieced_tokens:
+            return
+        self.metrics.prefill_pieces_missed.inc()
+        log.warning(
+            "router.prefill_pieces_missed",
+            request_id=d.request.request_id,
+            primed_tokens=d.pieced_tokens,
+            cached_tokens=cached,
+        )
+
     def _record_decision(self, d: RouteDecision, rreq: RouteRequest) -> None:
         self.metrics.decisions.labels(d.reason or "unknown").inc()
         kind = d.expected_hit.kind
@@ -526,8 +593,13 @@ class Router:
             )
         return out
 
-    async def _finish(self, d: Dispatch, out_tokens: int, *, streamed: bool = True) -> None:
-        binding = self.core.finish(d, out_tokens, streamed=streamed)
+    async def _finish(
+        self, d: Dispatch, usage: Mapping[str, Any], *, streamed: bool = True
+    ) -> None:
+        """The answer ended well: its `usage` (the worker's, OpenAI-shaped) closes the books."""
+        if d.pieced_tokens:
+            self._check_pieces(d, usage)
+        binding = self.core.finish(d, int(usage.get("completion_tokens", 0)), streamed=streamed)
         if binding is not None:
             await self.sessions.bind(
                 binding.session_id,
@@ -544,8 +616,7 @@ class Router:
         )
         self.core.first_token(dispatch)
         upstream.pop("kv_transfer_params", None)
-        usage = upstream.get("usage") or {}
-        await self._finish(dispatch, int(usage.get("completion_tokens", 0)), streamed=False)
+        await self._finish(dispatch, upstream.get("usage") or {}, streamed=False)
         model = parsed.model or self.settings.served_models[0]
         if api == "messages":
             body = to_anthropic_message(upstream, model=model, stop_sequences=call.stop_sequences)
@@ -612,7 +683,7 @@ class Router:
                 for frame in translator.fail(api_errors.upstream_failed(str(exc), api=dialect)):
                     yield frame
                 return
-            await self._finish(dispatch, int(usage.get("completion_tokens", 0)))
+            await self._finish(dispatch, usage)
 
         async def closed() -> None:
             # Runs however the response ends, even if the body never started (client gone).

@@ -96,6 +96,7 @@ class Dispatch:
     first_token_at: float | None = None
     opened_at: float = 0.0
     spilled: bool = False
+    pieced_tokens: int = 0  # the longest prefix the prefill in pieces sent first (0: none)
 
     @property
     def closed(self) -> bool:

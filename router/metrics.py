@@ -161,6 +161,26 @@ class RouterMetrics:
             "Seconds continuing turns spent in the pace hold.",
             registry=r,
         )
+        self.prefill_pieces = Counter(
+            "beamserve_router_prefill_pieces",
+            "Prompt prefixes sent ahead of continuing turns prefilled in pieces "
+            "(flow.prefill_piece_min_tokens).",
+            registry=r,
+        )
+        self.pieced_prefills = Counter(
+            "beamserve_router_pieced_prefills",
+            "Continuing turns prefilled in pieces, by outcome: done (every piece answered) or "
+            "failed (a piece failed; the request went on without the rest).",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefill_pieces_missed = Counter(
+            "beamserve_router_prefill_pieces_missed",
+            "Requests prefilled in pieces whose worker reported fewer cached prompt tokens than "
+            "the pieces sent (the router's tokens are not the engine's, or the cache dropped "
+            "them).",
+            registry=r,
+        )
         self.prefill_spills = Counter(
             "beamserve_router_prefill_spills",
             "New sessions held at the prefill stage of a P/D pool and then prefilled on a decode "

@@ -8,7 +8,7 @@ about HTTP, ZMQ or Redis.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -222,6 +222,9 @@ class RouteRequest:
     hashes_for: Callable[[KVGeometry], tuple[int, ...]] | None = field(
         default=None, compare=False, repr=False
     )
+    # The prompt's token ids as the worker will see them (`PromptKey.token_ids`, assembled
+    # when first called; None when not known): what the prefill in pieces sends.
+    token_ids: Callable[[], Sequence[int]] | None = field(default=None, compare=False, repr=False)
     # Other router replicas this one hears through replica sync (`RoutingCore.decide` fills
     # these in): how many, this replica's place among them and itself (ordered by replica id),
     # and the seconds since this replica's previous routing decision. Policies that spread

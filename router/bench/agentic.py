@@ -40,6 +40,7 @@ from .agentic_procs import (
     Procs,
     RouterSpec,
     package_version,
+    router_counters,
     sigterm_as_exception,
     start_router,
     start_workers,
@@ -362,6 +363,8 @@ def _one_run(
         )
         cpu1 = router.cpu_seconds()
         alive = router.alive()
+        beam = spec.kind == "beamserve" and spec.replicas == 1  # xN: behind HAProxy
+        counters = router_counters(router.url) if beam else None
         lag = sum(worker_step_lag_s(w.url) for w in workers)
     out = _figures(records, dur, gpus, cfg)
     _write_records(cfg, f"{spec.name}-c{level}", records)
@@ -372,6 +375,7 @@ def _one_run(
         "router_cpu_s": cpu,
         "router_cpu_s_per_request": cpu / len(records) if records else None,
         "router_alive_at_end": alive,
+        "router_counters": counters,
         # engine time the sim workers lost to a busy host, as a share of the run's
         # worker-seconds (`beamserve.workers.sim.engine`, "Host lateness")
         "worker_step_lag_s": lag,

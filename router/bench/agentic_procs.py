@@ -278,6 +278,38 @@ def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+# The router's counters a run records (`router_counters`): what its flow rules and P/D did.
+ROUTER_COUNTERS = (
+    "beamserve_router_pace_holds_total",
+    "beamserve_router_pace_hold_seconds_total",
+    "beamserve_router_prefill_spills_total",
+    "beamserve_router_prefill_pieces_total",
+    "beamserve_router_pieced_prefills_total",
+    "beamserve_router_prefill_pieces_missed_total",
+    "beamserve_router_disaggregated_total",
+    "beamserve_router_pd_fallbacks_total",
+    "beamserve_router_retries_total",
+)
+
+
+def router_counters(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A beamserve router's `ROUTER_COUNTERS` (each series by its labels, as exposed); empty
+    when they cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ROUTER_COUNTERS):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 # --- routers -----------------------------------------------------------------------------------
 
 
@@ -388,6 +420,15 @@ PD_RULE_SPILL = (
     json.dumps({"pace_hold_tokens": 1024, "prefill_spill_after_s": 1.0}),
 )
 
+# … and a later turn with 4,096+ uncached tokens is prefilled in 1,024-token pieces
+# (`FlowConfig.prefill_piece_min_tokens`).
+PD_RULE_PIECES = (
+    "--disaggregation",
+    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
+    "--flow",
+    json.dumps({"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}),
+)
+
 
 def _baseline_exe() -> str | None:
     """`BEAMSERVE_BASELINE`: the `beamserve` executable of another build (an earlier commit,
@@ -425,6 +466,9 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-2p2d-spill", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_SPILL),
+        RouterSpec("beamserve-2p2d-pieces", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
+                   extra_args=PD_RULE_PIECES),
         RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",

@@ -159,6 +159,7 @@ from typing import Any, Literal
 import structlog
 from beamserve.router.flow.fairness import DEFAULT_HALF_LIFE_S, AttainedService
 from beamserve.router.flow.pace_hold import PaceHold
+from beamserve.router.flow.pieces import PrefillPieces
 from beamserve.router.flow.saturation import (
     FlowConfigError,
     SaturationDetector,
@@ -214,6 +215,9 @@ class FlowConfig(BaseModel):
     | `prefill_spill_max_tokens` | ``49152`` | … whose queued prefill, with it, stays within this |
     | `prefill_spill_margin_s` | ``0.5`` | … and whose users keep this slack beyond that prefill |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
+    | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
+    |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
+    | `prefill_piece_tokens` | ``1024`` | … of this many tokens each |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -239,6 +243,8 @@ class FlowConfig(BaseModel):
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
     pace_hold_prefill_tok_s: float = Field(default=38000.0, gt=0)
+    prefill_piece_min_tokens: int | None = Field(default=None, ge=1)
+    prefill_piece_tokens: int = Field(default=1024, ge=1)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
@@ -261,6 +267,12 @@ class FlowConfig(BaseModel):
             self.pace_hold_user_tok_s,
             self.pace_hold_prefill_tok_s,
         )
+
+    def prefill_pieces(self) -> PrefillPieces | None:
+        """The prefill-in-pieces rule (`beamserve.router.flow.pieces`), None when off."""
+        if self.prefill_piece_min_tokens is None:
+            return None
+        return PrefillPieces(self.prefill_piece_min_tokens, self.prefill_piece_tokens)
 
     def prefill_spill(self) -> PrefillSpill | None:
         """The spill rule of the prefill stage (module docstring), None when off."""

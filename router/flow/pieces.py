@@ -1,0 +1,80 @@
+"""The prefill in pieces: a continuing turn's long new part is prefilled a piece at a time, so the
+users decoding beside it on its worker keep their pace.
+
+An engine with chunked prefill puts up to its step budget of prefill tokens (8,192 on the
+sim's `h200-bf16-tp8` profile, vLLM's `max_num_batched_tokens`) into each step beside the
+decodes. A continuing turn's new part of a few thousand tokens therefore makes one or two
+steps several times longer than a decode step, for every user streaming from that worker:
+long enough to take a user who was just keeping 20 tokens/s below it. Smaller steps would
+spare them, but the budget is the engine's setting, for all traffic. The router can pace one
+request itself, over the wire, with any engine that caches prefixes (vLLM's automatic prefix
+caching, SGLang's radix cache, the `sim`):
+
+    new      = the request's uncached tokens (what routing expects its worker to prefill)
+    if new ≥ prefill_piece_min_tokens (and it prefills on its decode worker, not split):
+        cached = prompt − new
+        for n in cached + piece, cached + 2·piece, … (each rounded down to a whole block,
+                                                        and below the prompt's length):
+            send the prompt's first n tokens (max_tokens 1, not streamed), wait for the answer
+        send the request itself (its prompt is cached up to the last piece)
+
+Each piece adds at most `prefill_piece_tokens` of prefill to the worker's steps, the one-token
+answers are dropped, and the request itself finds all but its last piece cached. The pieces
+go to `/v1/completions` as token ids (`RouteRequest.token_ids`: the prompt as the router's
+codec renders and tokenizes it, which is the engine's in precise mode — a `--tokenizer`
+checkpoint — and the `sim`'s own tokenizer-free codec in approximate mode). If the router's
+tokens were not the engine's, the pieces would cost their prefill and save nothing: the
+request's own answer says how much was cached, and the router counts pieces that missed
+(`beamserve_router_prefill_pieces_missed_total`). A piece that fails (an error, a timeout,
+a refusal) ends the pieces; the request itself goes on as it would have without them.
+
+It costs the request's TTFT a round trip and an engine step per piece (a 4,096-token new part
+in 1,024-token pieces: four steps, ≈ 0.1–0.2 s at the knee), and the worker one request per
+piece; the prompt's bytes go to the worker once per piece.
+
+Measured on virtual time first (`scripts/knee-search.py`, the 2 prefill + 2 decode pool at 64
+agents, 4 seeds: row `pd-2p2d-pieces-1k-4k`), then over HTTP (docs/bench/agentic.md).
+
+| key (`flow`) | default | meaning |
+|---|---|---|
+| `prefill_piece_min_tokens` | ``null`` | uncached tokens that make a turn one (null: off) |
+| `prefill_piece_tokens` | ``1024`` | tokens of prefill per piece |
+
+Config example: ``flow: {prefill_piece_min_tokens: 4096, prefill_piece_tokens: 1024}``.
+Only the HTTP front door sends pieces: the ext_proc picker sends nothing upstream itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPieces:
+    """The rule's values, as `FlowConfig.prefill_pieces` gives them."""
+
+    min_tokens: int
+    piece_tokens: int
+
+
+def piece_cuts(prompt_tokens: int, uncached: int, piece: int, block: int) -> list[int]:
+    """The prefix lengths to send before the request itself (module docstring): from the cached
+    part on, every `piece` tokens, each rounded down to a multiple of `block`, strictly growing,
+    each shorter than the prompt."""
+    if piece <= 0 or block <= 0 or uncached <= 0:
+        return []
+    cached = max(prompt_tokens - uncached, 0)
+    cuts: list[int] = []
+    n = cached + piece
+    while n < prompt_tokens:
+        cut = n // block * block
+        if cut > (cuts[-1] if cuts else cached) and cut < prompt_tokens:
+            cuts.append(cut)
+        n += piece
+    return cuts
+
+
+def wants_pieces(rule: PrefillPieces, band: str, split: bool, uncached: int) -> bool:
+    """Is this request prefilled in pieces: a continuing turn, prefilled on its decode worker
+    (not split), with `rule.min_tokens` or more uncached tokens."""
+    return band == "continuing" and not split and uncached >= rule.min_tokens
