@@ -1,0 +1,195 @@
+"""The prefill in pieces (`beamserve.router.flow.pieces`): the cut points, which requests get
+them, and runs through the router in front of a real sim worker — the pieces are cached
+where the request then finds them, a failing piece only ends the pieces, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
+from beamserve.router.flow import FlowConfig, FlowConfigError
+from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
+from beamserve.router.pd import UpstreamError
+from beamserve.router.server import RouterRuntime, RuntimeConfig
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import SpawnWorker
+from tests.router.test_pace_hold import metric
+from tests.router.test_router_flow import serving
+
+# --- the pure steps --------------------------------------------------------------------------
+
+
+def test_cuts_start_at_the_cached_part_and_stop_short_of_the_prompt() -> None:
+    assert piece_cuts(10_000, 4_000, 1_024, 16) == [7_024, 8_048, 9_072]
+    assert piece_cuts(10_000, 4_000, 1_000, 64) == [6_976, 8_000, 8_960]
+    assert piece_cuts(10_000, 500, 1_024, 16) == []  # one piece or less: nothing first
+    assert piece_cuts(10_000, 0, 1_024, 16) == []
+    assert piece_cuts(3_000, 9_999, 1_024, 16) == [1_024, 2_048]  # uncached > prompt: all
+
+
+@given(
+    prompt=st.integers(1, 200_000),
+    uncached=st.integers(0, 200_000),
+    piece=st.integers(1, 20_000),
+    block=st.sampled_from([1, 16, 32, 64, 256]),
+)
+def test_cuts_grow_in_whole_blocks_of_at_most_a_piece(
+    prompt: int, uncached: int, piece: int, block: int
+) -> None:
+    cuts = piece_cuts(prompt, uncached, piece, block)
+    cached = max(prompt - uncached, 0)
+    prev = cached
+    for c in cuts:
+        assert c % block == 0 and prev < c < prompt
+        assert c - prev <= piece + block  # rounding down moves a cut back by under a block
+        prev = c
+    if cuts:
+        assert prompt - cuts[-1] <= piece + block  # what is left for the request itself
+    if uncached > 0 and block <= piece and prompt - cached >= piece + block:
+        assert cuts  # a new part of more than a piece is always cut
+
+
+def test_only_long_continuing_turns_prefilled_on_their_worker_get_pieces() -> None:
+    rule = PrefillPieces(4096, 1024)
+    assert wants_pieces(rule, "continuing", False, 4096)
+    assert not wants_pieces(rule, "continuing", False, 4095)
+    assert not wants_pieces(rule, "continuing", True, 50_000)  # split: the prefill worker's
+    assert not wants_pieces(rule, "new", False, 50_000)
+
+
+def test_config_is_off_by_default_and_checked() -> None:
+    assert FlowConfig().prefill_pieces() is None
+    rule = FlowConfig.from_mapping({"prefill_piece_min_tokens": 2048}).prefill_pieces()
+    assert rule == PrefillPieces(2048, 1024)
+    with pytest.raises(FlowConfigError, match="prefill_piece_tokens"):
+        FlowConfig.from_mapping({"prefill_piece_min_tokens": 2048, "prefill_piece_tokens": 0})
+
+
+# --- through the router ----------------------------------------------------------------------
+
+FIRST = [{"role": "user", "content": "look at the repository"}]
+LATER = [*FIRST, {"role": "assistant", "content": "ok"},
+         {"role": "user", "content": "the tool said " + "line of output " * 400}]  # fmt: skip
+URL = "/v1/chat/completions"
+SID = {"x-session-id": "c"}
+
+
+def router_on(url: str, **flow: Any) -> tuple[RouterRuntime, str]:
+    eps = parse_endpoint_specs([{"url": url}])
+    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
+    return rt, eps[0].id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
+    spawn_worker: SpawnWorker, stream: bool
+) -> None:
+    """A continuing turn with ~1,600 new tokens in 256-token pieces: the pieces reach the
+    worker (its request count), the request's answer reports them cached, none missed; a
+    short turn gets none; nothing stays booked."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200, r.text
+            body = {"model": "beam", "messages": LATER, "max_tokens": 2, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            r = await c.post(URL, json=body, headers=SID)
+            assert r.status_code == 200, r.text
+            text = (await c.get("/metrics")).text
+            pieces = metric(text, "beamserve_router_prefill_pieces_total")
+            assert pieces >= 4, text
+            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
+            async with httpx.AsyncClient() as direct:
+                served = (await direct.get(w.url + "/metrics")).text
+            assert metric(served, "vllm:request_success_total") == 2 + pieces
+            # a short continuing turn: no pieces
+            short = [*LATER, {"role": "assistant", "content": "ok"},
+                     {"role": "user", "content": "thanks"}]  # fmt: skip
+            r = await c.post(URL, json={"model": "beam", "messages": short, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200
+            text = (await c.get("/metrics")).text
+            assert metric(text, "beamserve_router_prefill_pieces_total") == pieces
+            assert rt.core.open_dispatches == 0
+            load = rt.core.loads.load(worker)
+            assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_failed_piece_ends_the_pieces_and_the_request_goes_on(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """The second piece fails (the upstream call below the router raises, as an unreachable
+    worker would): no more pieces, the request itself is served, `failed` is counted, and
+    nothing stays booked."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    post = rt.router.upstreams.post
+    calls: list[str] = []
+
+    async def flaky(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
+        if path == "/v1/completions":
+            calls.append(path)
+            if len(calls) == 2:
+                raise UpstreamError(ep.id, "connect", "unreachable (test)")
+        return await post(ep, path, body, timeout)
+
+    rt.router.upstreams.post = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200, r.text
+            r = await c.post(URL, json={"model": "beam", "messages": LATER, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert len(calls) == 2
+            text = (await c.get("/metrics")).text
+            assert metric(text, "beamserve_router_prefill_pieces_total") == 1
+            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="failed"}') == 1
+            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
+            assert rt.core.open_dispatches == 0
+            load = rt.core.loads.load(worker)
+            assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
+
+    asyncio.run(main())
+
+
+def test_pieces_the_engine_did_not_keep_are_counted_missed(spawn_worker: SpawnWorker) -> None:
+    """Pieces the worker answers but the request then does not find cached (here: each piece's
+    ids shifted by one, so they are other tokens than the prompt's) count as missed."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, _ = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    post = rt.router.upstreams.post
+
+    async def shifted(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
+        if path == "/v1/completions":
+            body = {**body, "prompt": [t + 1 for t in body["prompt"]]}
+        return await post(ep, path, body, timeout)
+
+    rt.router.upstreams.post = shifted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            for messages in (FIRST, LATER):
+                r = await c.post(URL, json={"model": "beam", "messages": messages,
+                                            "max_tokens": 2}, headers=SID)  # fmt: skip
+                assert r.status_code == 200, r.text
+            text = (await c.get("/metrics")).text
+            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 1
+
+    asyncio.run(main())
