@@ -376,6 +376,14 @@ class FlowControlSpec(_Model):
     prefill_spill_margin_seconds: Annotated[float, Field(ge=0)] = 0.5
     """… and while each user streaming from it keeps this much slack beyond that prefill, at
     paceHoldUserTokensPerSecond (prefill priced at paceHoldPrefillTokensPerSecond)."""
+    prefill_piece_min_tokens: Annotated[int, Field(ge=1)] | None = None
+    """A continuing turn with this many uncached tokens, prefilled on its session's worker, is
+    prefilled in pieces: the router first sends its prompt's growing prefixes
+    (prefillPieceTokens more each, one answered before the next) so each engine step beside
+    the users decoding there holds at most a piece; null: off (docs/policies.md, "The
+    prefill in pieces")."""
+    prefill_piece_tokens: Annotated[int, Field(ge=1)] = 1024
+    """Tokens of prefill per piece."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

@@ -28,6 +28,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("router/flow/fairness.py", "Least attained service (tenant fairness)"),
     ("router/flow/saturation.py", "Saturation gate"),
     ("router/flow/pace_hold.py", "The pace hold"),
+    ("router/flow/pieces.py", "The prefill in pieces"),
     ("router/policy/base.py", "Filter → score → pick"),
     ("router/policy/build.py", "Configuring a policy; presets"),
     ("router/policy/sticky.py", "`sticky-until-saturated` (the default)"),

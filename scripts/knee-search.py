@@ -302,12 +302,13 @@ class Disaggregated(Strategy):
         pace_hold: tuple[int, float] | None = None,
         sjf_window: float | None = None,
         spill: tuple[float, int, float] | None = None,
+        pieces: tuple[int, int] | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.split_continuing, self.sticky = split_continuing, sticky
         self.free, self.pace_hold, self.sjf_window = free, pace_hold, sjf_window
-        self.spill = spill
+        self.spill, self.pieces = spill, pieces
         self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
@@ -409,6 +410,8 @@ class Disaggregated(Strategy):
                     h.submit(worker, rec, rec.req)
                 else:
                     self._leg(h, worker, rec, p or self._least_booked(h), new)
+            elif self.pieces is not None and new >= self.pieces[1]:
+                self._in_pieces(h, worker, rec, rec.prompt - new, self.pieces[0])
             else:
                 h.submit(worker, rec, rec.req)
             return
@@ -425,6 +428,32 @@ class Disaggregated(Strategy):
             h.submit(worker, rec, rec.req)
             return
         self._leg(h, worker, rec, p, rec.prompt)
+
+    def _in_pieces(self, h: Loop, worker: str, rec: Rec, cached: int, piece: int) -> None:
+        """`pieces` (piece, least): a later turn with `least` or more new tokens is prefilled
+        on its decode worker a piece at a time — its prompt's prefixes, `piece` tokens longer
+        each, one after the other, then the request (the router's `flow.prefill_piece_*`)."""
+        pages = rec.req.block_hashes or ()
+        step = max(1, piece // PAGE)
+        cuts = list(range(cached // PAGE + step, len(pages), step))
+
+        def go(i: int) -> None:
+            if i == len(cuts):
+                h.release_slot(worker, rec)
+                h.submit(worker, rec, rec.req)
+                return
+            n = cuts[i]
+            leg = SimRequest(
+                h.new_id("piece"),
+                prompt_tokens=n * PAGE,
+                max_output_tokens=1,
+                output_tokens=1,
+                block_hashes=pages[:n],
+            )
+            h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
+
+        h.hold_slot(worker, rec)
+        go(0)
 
     def _least_booked(self, h: Loop) -> str:
         return min(self.prefill, key=lambda x: self.backlog(h, x))
@@ -551,6 +580,16 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             pace_hold=(1024, 1.5),
             sjf_window=2.0,
             spill=(1.0, 49152, 0.5),
+            **twin,
+        )
+        # … and later turns with 4,096+ new tokens prefilled in 1,024-token pieces
+        out["pd-2p2d-pieces-1k-4k"] = lambda: Disaggregated(
+            "pd-2p2d-pieces-1k-4k",
+            ws[:2],
+            ws[2:],
+            pace_hold=(1024, 1.5),
+            sjf_window=2.0,
+            pieces=(1024, 4096),
             **twin,
         )
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(

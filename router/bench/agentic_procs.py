@@ -402,31 +402,26 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
 # at the knee"), and a session's later turns stay on its decode worker whatever their size
 # (`keep_warm_local`: that worker holds the context a prefill worker would compute again).
 # A later turn with 1,024+ uncached tokens waits (up to 1.5 s) while its prefill would push a
-# user decoding on its worker under 20 tokens/s (`FlowConfig.pace_hold_tokens`).
+# user decoding on its worker under 20 tokens/s (`FlowConfig.pace_hold_tokens`), and one with
+# 4,096+ is prefilled there in 1,024-token pieces (`FlowConfig.prefill_piece_min_tokens`).
+_PD_SPLIT = ("--disaggregation", json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}))
 PD_RULE_FIRST_TURNS = (
-    "--disaggregation",
-    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
-    "--flow",
-    json.dumps({"pace_hold_tokens": 1024}),
-)
-
-# … and a new session held at the prefill stage 1 s or more may be prefilled on a decode worker
-# instead, while that worker's queued prefill stays within 48K tokens and its streaming users
-# keep 0.5 s of slack beyond it (`FlowConfig.prefill_spill_after_s`).
-PD_RULE_SPILL = (
-    "--disaggregation",
-    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
-    "--flow",
-    json.dumps({"pace_hold_tokens": 1024, "prefill_spill_after_s": 1.0}),
-)
-
-# … and a later turn with 4,096+ uncached tokens is prefilled in 1,024-token pieces
-# (`FlowConfig.prefill_piece_min_tokens`).
-PD_RULE_PIECES = (
-    "--disaggregation",
-    json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}),
+    *_PD_SPLIT,
     "--flow",
     json.dumps({"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}),
+)
+# `beamserve-2p2d-no-pieces`: the same without the pieces (the pool as built before them).
+PD_RULE_NO_PIECES = (*_PD_SPLIT, "--flow", json.dumps({"pace_hold_tokens": 1024}))
+# `beamserve-2p2d-spill`: with the pieces, and a new session held at the prefill stage 1 s or
+# more may be prefilled on a decode worker instead, while that worker's queued prefill stays
+# within 48K tokens and its streaming users keep 0.5 s of slack beyond it
+# (`FlowConfig.prefill_spill_after_s`; not kept: docs/bench/agentic.md).
+PD_RULE_SPILL = (
+    *_PD_SPLIT,
+    "--flow",
+    json.dumps(
+        {"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096, "prefill_spill_after_s": 1.0}
+    ),
 )
 
 
@@ -463,12 +458,12 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-2p2d", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_FIRST_TURNS),
+        RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
+                   prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),
         RouterSpec("beamserve-2p2d-spill", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_SPILL),
-        RouterSpec("beamserve-2p2d-pieces", "beamserve", "sticky-until-saturated", "beamserve",
-                   _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
-                   extra_args=PD_RULE_PIECES),
         RouterSpec("beamserve-baseline", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, _baseline_exe, ready_json=True),
         RouterSpec("beamserve-x2", "beamserve", "sticky-until-saturated", "beamserve",

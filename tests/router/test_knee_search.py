@@ -249,3 +249,22 @@ def test_the_spill_row_sends_a_held_first_turn_to_a_decode_worker_with_room(
     strat.legs = {"w0": {1: 60_000}, "w1": {1: 60_000}}  # both prefill workers' legs booked
     assert strat.place(pool, rec) == placed
     assert (id(rec) in strat.spilled) is (placed is not None)
+
+
+def test_the_pieces_row_prefills_long_later_turns_a_piece_at_a_time(sessions) -> None:
+    """`pd-2p2d-pieces-1k-4k` (the router's `flow.prefill_piece_*`): every request is served
+    once; the decode workers answer one extra request per piece, and each piece's prefix is
+    cached for the next (their prefill is the turn's new part once, not again per piece)."""
+    loop, recs = _run(sessions, "pd-2p2d-pieces-1k-4k", concurrency=12)
+    twin, _ = _run(sessions, "pd-2p2d-legbooks-window-2", concurrency=12)
+    assert len(recs) == sum(s.requests for s in sessions)
+    assert all(r.end is not None for r in recs) and not any(loop.inflight.values())
+
+    def decode_side(lp) -> tuple[int, int]:
+        stats = [lp.engines[w].stats() for w in ("w2", "w3")]
+        work = sum(s.prompt_tokens_total - s.prefix_cache_hits_tokens for s in stats)
+        return sum(s.requests_finished_total for s in stats), work
+
+    (n, work), (n0, work0) = decode_side(loop), decode_side(twin)
+    assert n > n0  # the pieces
+    assert work <= work0 * 1.05  # … cost no prefill twice
