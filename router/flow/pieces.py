@@ -32,8 +32,15 @@ It costs the request's TTFT a round trip and an engine step per piece (a 4,096-t
 in 1,024-token pieces: four steps, ≈ 0.1–0.2 s at the knee), and the worker one request per
 piece; the prompt's bytes go to the worker once per piece.
 
-Measured on virtual time first (`scripts/knee-search.py`, the 2 prefill + 2 decode pool at 64
-agents, 4 seeds: row `pd-2p2d-pieces-1k-4k`), then over HTTP (docs/bench/agentic.md).
+Measured on virtual time first (`scripts/knee-search.py --seeds 3`, the 2 prefill + 2 decode
+pool at 64 agents): row `pd-2p2d-pieces-1k-4k` 15.97 r/s of goodput against 15.39 without the
+pieces (`pd-2p2d-legbooks-window-2`), slow continuing turns 24 instead of 58 (seed 0); pieces
+of 512 or 768 tokens, or from 1,024 or 2,048 new tokens on, did no better (one-off variants).
+Then over HTTP beside the gateways on the same workers (docs/bench/agentic.md, "The prefill in
+pieces"): in one run with and without it, 15.48 against 14.65 r/s, slow continuing turns 27
+against 66; with it, the pool's goodput 1.25–1.28 × the best gateway's over three runs.
+Off by default: it adds requests and TTFT to the long turns it paces, for the users beside
+them; it pays where those users are many and the engine's step budget is large.
 
 | key (`flow`) | default | meaning |
 |---|---|---|

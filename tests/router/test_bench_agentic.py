@@ -264,6 +264,10 @@ def test_a_2p2d_run_starts_the_same_workers_as_prefill_and_decode_and_splits_fir
     ]
     first = [d for d in decisions if d["band"] == "new" and d["prompt_tokens"] >= 8192]
     assert first and all(d["prefill"] is not None for d in first)
+    # the run records what the router itself counted: its splits, no fallback
+    counters = row["router_counters"]
+    assert counters["beamserve_router_disaggregated_total"] == len(first)
+    assert not any(v for k, v in counters.items() if k.startswith("beamserve_router_pd_fallbacks"))
     for w in ("w2", "w3"):  # no decode worker gave up waiting for its KV
         assert "kv_transfer_failed" not in (logs / f"{w}.err").read_text()
 
