@@ -249,26 +249,33 @@ class Prime:
         return self.inner.order(held)
 
     def send(self, h: Loop, worker: str, rec: Rec) -> None:
-        pages = rec.req.block_hashes or ()
-        step = max(1, self.piece // PAGE)
-        cuts = list(range(step, len(pages), step)) if rec.turn == 0 else []
+        send_in_pieces(h, worker, rec, 0 if rec.turn == 0 else rec.prompt, self.piece)
 
-        def go(i: int) -> None:
-            if i == len(cuts):
-                h.submit(worker, rec, rec.req)
-                return
-            n = cuts[i]
-            leg = SimRequest(
-                h.new_id("prime"),
-                prompt_tokens=n * PAGE,
-                max_output_tokens=1,
-                output_tokens=1,
-                block_hashes=pages[:n],
-            )
-            h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
 
-        h.hold_slot(worker, rec)
-        go(0)
+def send_in_pieces(h: Loop, worker: str, rec: Rec, cached: int, piece: int) -> None:
+    """Send `rec` to `worker` after its prompt's prefixes past `cached` tokens, `piece` tokens
+    longer each, one after the other (a one-token answer each); its slot is held meanwhile."""
+    pages = rec.req.block_hashes or ()
+    step = max(1, piece // PAGE)
+    cuts = list(range(cached // PAGE + step, len(pages), step))
+
+    def go(i: int) -> None:
+        if i == len(cuts):
+            h.release_slot(worker, rec)
+            h.submit(worker, rec, rec.req)
+            return
+        n = cuts[i]
+        leg = SimRequest(
+            h.new_id("piece"),
+            prompt_tokens=n * PAGE,
+            max_output_tokens=1,
+            output_tokens=1,
+            block_hashes=pages[:n],
+        )
+        h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
+
+    h.hold_slot(worker, rec)
+    go(0)
 
 
 class Disaggregated(Strategy):
@@ -411,7 +418,9 @@ class Disaggregated(Strategy):
                 else:
                     self._leg(h, worker, rec, p or self._least_booked(h), new)
             elif self.pieces is not None and new >= self.pieces[1]:
-                self._in_pieces(h, worker, rec, rec.prompt - new, self.pieces[0])
+                # `pieces` (piece, least): a later turn with `least` or more new tokens is
+                # prefilled a piece at a time (the router's `flow.prefill_piece_*`)
+                send_in_pieces(h, worker, rec, rec.prompt - new, self.pieces[0])
             else:
                 h.submit(worker, rec, rec.req)
             return
@@ -428,32 +437,6 @@ class Disaggregated(Strategy):
             h.submit(worker, rec, rec.req)
             return
         self._leg(h, worker, rec, p, rec.prompt)
-
-    def _in_pieces(self, h: Loop, worker: str, rec: Rec, cached: int, piece: int) -> None:
-        """`pieces` (piece, least): a later turn with `least` or more new tokens is prefilled
-        on its decode worker a piece at a time — its prompt's prefixes, `piece` tokens longer
-        each, one after the other, then the request (the router's `flow.prefill_piece_*`)."""
-        pages = rec.req.block_hashes or ()
-        step = max(1, piece // PAGE)
-        cuts = list(range(cached // PAGE + step, len(pages), step))
-
-        def go(i: int) -> None:
-            if i == len(cuts):
-                h.release_slot(worker, rec)
-                h.submit(worker, rec, rec.req)
-                return
-            n = cuts[i]
-            leg = SimRequest(
-                h.new_id("piece"),
-                prompt_tokens=n * PAGE,
-                max_output_tokens=1,
-                output_tokens=1,
-                block_hashes=pages[:n],
-            )
-            h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
-
-        h.hold_slot(worker, rec)
-        go(0)
 
     def _least_booked(self, h: Loop) -> str:
         return min(self.prefill, key=lambda x: self.backlog(h, x))

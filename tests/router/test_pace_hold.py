@@ -229,6 +229,14 @@ def test_config_is_off_by_default_and_checked() -> None:
 # --- through the router, in front of a real sim worker ---------------------------------------
 
 
+def nothing_booked(rt: RouterRuntime, *workers: str) -> None:
+    """No dispatch left open, and nothing left on these workers' books."""
+    assert rt.core.open_dispatches == 0
+    for w in workers:
+        load = rt.core.loads.load(w)
+        assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0), w
+
+
 def metric(text: str, name: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -303,9 +311,7 @@ def test_through_the_router_a_held_turn_waits_for_the_stream_beside_it(
             assert r.status_code == 200
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_pace_holds_total") == 1
-            assert rt.core.open_dispatches == 0
-            load = rt.core.loads.load(worker)
-            assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
+            nothing_booked(rt, worker)
 
     asyncio.run(main())
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import SpawnWorker
-from tests.router.test_pace_hold import metric
+from tests.router.test_pace_hold import metric, nothing_booked
 from tests.router.test_router_flow import serving
 
 # --- the pure steps --------------------------------------------------------------------------
@@ -121,9 +121,7 @@ def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
             assert r.status_code == 200
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_prefill_pieces_total") == pieces
-            assert rt.core.open_dispatches == 0
-            load = rt.core.loads.load(worker)
-            assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
+            nothing_booked(rt, worker)
 
     asyncio.run(main())
 
@@ -161,9 +159,7 @@ def test_a_failed_piece_ends_the_pieces_and_the_request_goes_on(
             assert metric(text, "beamserve_router_prefill_pieces_total") == 1
             assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="failed"}') == 1
             assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
-            assert rt.core.open_dispatches == 0
-            load = rt.core.loads.load(worker)
-            assert (load.in_flight, load.prefill_tokens, load.decode_tokens) == (0, 0, 0)
+            nothing_booked(rt, worker)
 
     asyncio.run(main())
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from beamserve.router.core import RoutingCore
+from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.load import LoadBook
@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import SpawnWorker
-from tests.router.test_pace_hold import metric
+from tests.router.test_pace_hold import metric, nothing_booked
 from tests.router.test_router_flow import serving
 
 ROOM = {"max_tokens": 50_000, "margin_s": 0.5, "user_tok_s": 20.0, "prefill_tok_s": 38_000.0}
@@ -68,18 +68,25 @@ def test_room_is_the_queue_with_the_item_and_none_over_the_limit() -> None:
     assert book.spill_room("d1", 60_000, **ROOM) is None  # over max_tokens alone
 
 
-def test_a_user_streaming_without_slack_leaves_no_room() -> None:
+def one_user(max_tokens: int, after_s: float, tokens: int) -> tuple[Clock, RoutingCore, Dispatch]:
+    """A core whose decode worker d1 streams one user: `tokens` of its `max_tokens` relayed
+    `after_s` after its first token."""
     clock = Clock()
     core = RoutingCore(build_policy("least-load"), loads=LoadBook(clock=clock), clock=clock)
-    eps = pd_pool()
-    d = core.open(RouteRequest("u", prompt_tokens=100, max_tokens=100, session_id="u"))
-    core.route(d, [eps[1]])
+    d = core.open(RouteRequest("u", prompt_tokens=100, max_tokens=max_tokens, session_id="u"))
+    core.route(d, [pd_pool()[1]])
     core.first_token(d)
     assert d.flight is not None
+    clock.t += after_s
+    d.flight.tokens = tokens
+    return clock, core, d
+
+
+def test_a_user_streaming_without_slack_leaves_no_room() -> None:
     # 100 tokens at 20 tok/s: 5 s to the deadline; 50 relayed in 2.5 s = on pace, no slack
-    clock.t += 2.5
-    d.flight.tokens = 50
-    worker = eps[1].id
+    clock, core, d = one_user(100, 2.5, 50)
+    assert d.flight is not None
+    worker = d.flight.worker
     assert core.loads.spill_room(worker, 10_000, **ROOM) is None
     # a fast user (90 of 100 in 1 s) keeps seconds of slack: a 10K-token prefill fits
     clock.t -= 1.5
@@ -92,16 +99,9 @@ def test_a_user_streaming_without_slack_leaves_no_room() -> None:
 def test_room_shrinks_with_more_prefill_and_more_margin(
     cost: int, margin: float, extra: int
 ) -> None:
-    clock = Clock()
-    core = RoutingCore(build_policy("least-load"), loads=LoadBook(clock=clock), clock=clock)
-    eps = pd_pool()
-    d = core.open(RouteRequest("u", prompt_tokens=100, max_tokens=200, session_id="u"))
-    core.route(d, [eps[1]])
-    core.first_token(d)
+    _, core, d = one_user(200, 1.0, 60)  # 60 tok/s: slack ≈ 10 s − 140/60 s
     assert d.flight is not None
-    clock.t += 1.0
-    d.flight.tokens = 60  # 60 tok/s: slack ≈ 10 s − 140/60 s
-    w = eps[1].id
+    w = d.flight.worker
     base = {**ROOM, "margin_s": margin}
     more = {**ROOM, "margin_s": margin + 0.5}
     if core.loads.spill_room(w, cost + extra, **base) is not None:
@@ -199,9 +199,6 @@ def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_prefill_spills_total") == 1
             assert metric(text, "beamserve_router_disaggregated_total") == 1
-            assert rt.core.open_dispatches == 0
-            for e in eps:
-                ld = rt.core.loads.load(e.id)
-                assert (ld.in_flight, ld.prefill_tokens, ld.decode_tokens) == (0, 0, 0)
+            nothing_booked(rt, *(e.id for e in eps))
 
     asyncio.run(main())
