@@ -38,7 +38,7 @@ pieces (`pd-2p2d-legbooks-window-2`), slow continuing turns 24 instead of 58 (se
 of 512 or 768 tokens, or from 1,024 or 2,048 new tokens on, did no better (one-off variants).
 Then over HTTP beside the gateways on the same workers (docs/bench/agentic.md, "The prefill in
 pieces"): in one run with and without it, 15.48 against 14.65 r/s, slow continuing turns 27
-against 66; with it, the pool's goodput 1.25–1.28 × the best gateway's over three runs.
+against 66; with it, the pool's goodput 1.25–1.28 × the best gateway's over four runs.
 Off by default: it adds requests and TTFT to the long turns it paces, for the users beside
 them; it pays where those users are many and the engine's step budget is large.
 
