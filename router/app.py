@@ -519,7 +519,7 @@ class Router:
         ep, sent, t0 = decision.decode, 0, self.core.clock()
         outcome = "done"
         for n in cuts:
-            body = {"model": model, "prompt": list(ids[:n]), "max_tokens": 1, "stream": False}
+            body = {"model": model, "prompt": ids[:n], "max_tokens": 1, "stream": False}
             try:
                 await self.upstreams.post(
                     ep, "/v1/completions", body, self.upstreams.first_byte_timeout_s

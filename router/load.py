@@ -660,6 +660,19 @@ class LoadBook:
         tokens = w.prefill_tokens - w.held_tokens
         if own is not None and own.held:
             tokens += own.prefill_tokens
+        return self._pushed(worker, w, tokens, now, user_tok_s, prefill_tok_s)
+
+    def _pushed(
+        self,
+        worker: str,
+        w: _Worker,
+        tokens: int,
+        now: float,
+        user_tok_s: float,
+        prefill_tok_s: float,
+    ) -> int:
+        """How many of this replica's users streaming from `worker` a prefill of `tokens`
+        there would push under `user_tok_s` (`beamserve.router.flow.pace_hold.pushed_under`)."""
         return pushed_under(
             self.decodings(worker),
             tokens,
@@ -692,14 +705,8 @@ class LoadBook:
         if w is None or not w.streaming:
             return queued
         now = self.clock() if now is None else now
-        pushed = pushed_under(
-            self.decodings(worker),
-            queued + round(margin_s * prefill_tok_s),
-            now,
-            user_tok_s=user_tok_s,
-            prefill_tok_s=prefill_tok_s,
-            worker_step_s=self._pace(w, now),
-        )
+        margin = round(margin_s * prefill_tok_s)
+        pushed = self._pushed(worker, w, queued + margin, now, user_tok_s, prefill_tok_s)
         return None if pushed else queued
 
     def _pace(self, w: _Worker, now: float) -> float | None:

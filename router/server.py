@@ -129,10 +129,11 @@ class RouterRuntime:
         self.core.pool_saturated = lambda: self.flow.saturation.saturated(time.monotonic())
         # P/D pools: new sessions' long prompts queue here, shortest first, while the prefill
         # workers are busy (`FlowController`, "The prefill stage"); a prefill done reopens it.
+        self._spill_rule = self.flow.config.prefill_spill()
         self.flow.prefill_stage = PrefillStage(
             self._prefill_stage_loads,
             disagg.params.min_uncached_tokens,
-            self._spill_target if self.flow.config.prefill_spill() is not None else None,
+            self._spill_target if self._spill_rule is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url)
@@ -291,7 +292,7 @@ class RouterRuntime:
         """The decode worker (one that receives KV handoffs, healthy) that can prefill a held
         new session of `cost` tokens itself now, the roomiest first; `pending`: tokens
         spilled to each and not routed yet (`FlowConfig.prefill_spill`)."""
-        rule = self.flow.config.prefill_spill()
+        rule = self._spill_rule
         if rule is None:
             return None
         now = self.loads.clock()

@@ -547,42 +547,20 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
         )
         # … since 2026-12-05 (afternoon): the pace hold, and shortest first only among the
         # first turns that waited under 2 s (`prefill_sjf_window_s`)
+        built: dict[str, Any] = {**twin, "pace_hold": (1024, 1.5), "sjf_window": 2.0}
         out["pd-2p2d-legbooks-window-2"] = lambda: Disaggregated(
-            "pd-2p2d-legbooks-window-2",
-            ws[:2],
-            ws[2:],
-            pace_hold=(1024, 1.5),
-            sjf_window=2.0,
-            **twin,
+            "pd-2p2d-legbooks-window-2", ws[:2], ws[2:], **built
         )
         # … since 2026-12-05 (evening): first turns held 1 s spill to a decode worker with room
         out["pd-2p2d-spill"] = lambda: Disaggregated(
-            "pd-2p2d-spill",
-            ws[:2],
-            ws[2:],
-            pace_hold=(1024, 1.5),
-            sjf_window=2.0,
-            spill=(1.0, 49152, 0.5),
-            **twin,
+            "pd-2p2d-spill", ws[:2], ws[2:], spill=(1.0, 49152, 0.5), **built
         )
         # … and later turns with 4,096+ new tokens prefilled in 1,024-token pieces
         out["pd-2p2d-pieces-1k-4k"] = lambda: Disaggregated(
-            "pd-2p2d-pieces-1k-4k",
-            ws[:2],
-            ws[2:],
-            pace_hold=(1024, 1.5),
-            sjf_window=2.0,
-            pieces=(1024, 4096),
-            **twin,
+            "pd-2p2d-pieces-1k-4k", ws[:2], ws[2:], pieces=(1024, 4096), **built
         )
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
-            "pd-2p2d-spill-no-bound",
-            ws[:2],
-            ws[2:],
-            pace_hold=(1024, 1.5),
-            sjf_window=2.0,
-            spill=(0.0, 10**9, 0.0),
-            **twin,
+            "pd-2p2d-spill-no-bound", ws[:2], ws[2:], spill=(0.0, 10**9, 0.0), **built
         )
         for what in ("continuing", "small-first"):
             out[f"attribution-free-{what}"] = lambda what=what: Disaggregated(

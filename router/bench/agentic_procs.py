@@ -263,18 +263,24 @@ def start_workers(
     return out
 
 
-def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
-    """A sim worker's `beamserve_worker_step_lag_seconds_total` (engine time lost to a busy
-    host); 0 when it cannot be read."""
-    import re
+def _metrics_text(url: str, timeout_s: float) -> str | None:
+    """A process's Prometheus `/metrics` text; None when it cannot be read."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-            text = r.read().decode()
+            return r.read().decode()
     except OSError:
-        return 0.0
-    m = re.search(r"^beamserve_worker_step_lag_seconds_total\s+(\S+)", text, re.M)
+        return None
+
+
+def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
+    """A sim worker's `beamserve_worker_step_lag_seconds_total` (engine time lost to a busy
+    host); 0 when it cannot be read."""
+    import re
+
+    text = _metrics_text(url, timeout_s)
+    m = re.search(r"^beamserve_worker_step_lag_seconds_total\s+(\S+)", text or "", re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -295,15 +301,8 @@ ROUTER_COUNTERS = (
 def router_counters(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """A beamserve router's `ROUTER_COUNTERS` (each series by its labels, as exposed); empty
     when they cannot be read."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in (_metrics_text(url, timeout_s) or "").splitlines():
         if line.startswith(ROUTER_COUNTERS):
             key, _, value = line.rpartition(" ")
             out[key] = float(value)

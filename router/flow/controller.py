@@ -112,11 +112,13 @@ room. Contract:
   enough, the stage looks again every 50 ms. The ticket carries the worker
   (`Ticket.spill_to`) and the routing core sends the request there, unsplit. The prefill
   workers are the pool's bottleneck at and past its knee (three quarters of the prefill is
-  new sessions'), while the decode workers' users often have slack to spare: on virtual time
-  at 64 agents the pool's goodput rose from 15.33 to 15.74 r/s, at 128 from 10.83 to 11.46
-  r/s with 6 % more throughput (`scripts/knee-search.py`, `pd-2p2d-spill`). Spilling at once,
-  with no bound on the queue and no margin, lost instead (11.6 r/s at 64 agents,
-  `pd-2p2d-spill-no-bound`): the continuing turns queued behind spilled prompts.
+  new sessions'), and the decode workers' users sometimes have slack to spare: on virtual
+  time (`scripts/knee-search.py`, `pd-2p2d-spill`) the pool's goodput rose from 15.39 to
+  15.62 r/s at 64 agents (3 seeds) and from 10.83 to 11.46 r/s at 128 (2 seeds, 6 % more
+  throughput); spilling at once, with no bound on the queue and no margin, lost (10.47 r/s,
+  `pd-2p2d-spill-no-bound`: continuing turns queued behind spilled prompts). Over HTTP at 64
+  agents it spilled 8 times a run and did not help (two runs beside the pool without it:
+  14.46 against 14.73 and 15.10 against 15.58 r/s; docs/bench/agentic.md), so it is off.
   Holding split first turns there too left the prefill workers idle 12 % of the run while
   first turns waited (HTTP, 64 agents, 2 prefill + 2 decode workers), and the run took 94–96 s
   instead of 85 s. A split request's booking on its prefill worker ends when the prefill leg

@@ -256,8 +256,13 @@ def router_on(spawn_worker: SpawnWorker, **flow: Any) -> tuple[RouterRuntime, st
     """A router over one sim worker (H200 timings) whose pace hold keeps 1,000 tokens/s — more
     than the sim decodes, so any user streaming there can only fall short."""
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    flow = {"pace_hold_tokens": 8, "pace_hold_user_tok_s": 1000, **flow}
-    eps = parse_endpoint_specs([{"url": w.url}])
+    return router_over(w.url, pace_hold_tokens=8, pace_hold_user_tok_s=1000, **flow)
+
+
+def router_over(url: str, **flow: Any) -> tuple[RouterRuntime, str]:
+    """An in-process router over the one worker at `url` with these `flow` keys, and that
+    worker's id."""
+    eps = parse_endpoint_specs([{"url": url}])
     rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
     return rt, eps[0].id
 

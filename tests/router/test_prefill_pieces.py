@@ -9,16 +9,14 @@ from typing import Any
 
 import httpx
 import pytest
-from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
 from beamserve.router.pd import UpstreamError
-from beamserve.router.server import RouterRuntime, RuntimeConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import SpawnWorker
-from tests.router.test_pace_hold import metric, nothing_booked
+from tests.router.test_pace_hold import metric, nothing_booked, router_over
 from tests.router.test_router_flow import serving
 
 # --- the pure steps --------------------------------------------------------------------------
@@ -79,12 +77,6 @@ URL = "/v1/chat/completions"
 SID = {"x-session-id": "c"}
 
 
-def router_on(url: str, **flow: Any) -> tuple[RouterRuntime, str]:
-    eps = parse_endpoint_specs([{"url": url}])
-    rt = RouterRuntime(StaticDiscovery(eps), RuntimeConfig(scrape_interval_s=3600, flow=flow))
-    return rt, eps[0].id
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
     spawn_worker: SpawnWorker, stream: bool
@@ -93,7 +85,7 @@ def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
     worker (its request count), the request's answer reports them cached, none missed; a
     short turn gets none; nothing stays booked."""
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    rt, worker = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
 
     async def main() -> None:
         async with serving(rt) as c:
@@ -133,7 +125,7 @@ def test_a_failed_piece_ends_the_pieces_and_the_request_goes_on(
     worker would): no more pieces, the request itself is served, `failed` is counted, and
     nothing stays booked."""
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    rt, worker = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
     post = rt.router.upstreams.post
     calls: list[str] = []
 
@@ -168,7 +160,7 @@ def test_pieces_the_engine_did_not_keep_are_counted_missed(spawn_worker: SpawnWo
     """Pieces the worker answers but the request then does not find cached (here: each piece's
     ids shifted by one, so they are other tokens than the prompt's) count as missed."""
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    rt, _ = router_on(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    rt, _ = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
     post = rt.router.upstreams.post
 
     async def shifted(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
