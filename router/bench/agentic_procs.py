@@ -269,9 +269,10 @@ def _metrics_text(url: str, timeout_s: float) -> str | None:
 
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-            return r.read().decode()
+            raw: bytes = r.read()
     except OSError:
         return None
+    return raw.decode()
 
 
 def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
