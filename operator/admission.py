@@ -600,7 +600,8 @@ def _port_problems(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> 
     span = pool.attention_dp if engine == "vllm" else 1
     used: list[tuple[str, int, int]] = [("http", ports.http, 1)]
     used += [("kvEvents", ports.kv_events, span), ("kvReplay", ports.kv_replay, span)]
-    if role != "both":
+    swings = role == "both" and spec.router.disaggregation.pool_roles is not None
+    if role != "both" or swings:
         if engine == "vllm" and spec.kv.transfer_backend == "nixl":
             used.append(("sideChannel", ports.side_channel, span))
         elif (engine == "vllm" and spec.kv.transfer_backend == "mooncake") or role == "prefill":
@@ -835,6 +836,50 @@ def _model_config(spec: BeamDeploymentSpec) -> BeamModelConfig:
     return dataclasses.replace(base, num_key_value_heads=k, num_attention_heads=k * 6)
 
 
+def _pool_roles_problems(spec: BeamDeploymentSpec) -> list[Violation]:
+    """`router.disaggregation.poolRoles` needs one aggregated pool whose engines can each send
+    and receive KV: vLLM over NIXL (`kv_role: kv_both`), or the sim / ref engine on vLLM's
+    surface."""
+    roles = spec.router.disaggregation.pool_roles
+    if roles is None:
+        return []
+    path = "spec.router.disaggregation.poolRoles"
+    if spec.both is None:
+        return [
+            Violation(
+                path,
+                "needs aggregated serving (spec.both); a prefill and a decode pool keep fixed "
+                "parts — remove poolRoles or serve with one `both` pool",
+            )
+        ]
+    e = spec.engine
+    if e.name == "sglang" or (e.name in ("sim", "ref") and e.api == "sglang"):
+        return [
+            Violation(
+                path,
+                "SGLang fixes each server's part (--disaggregation-mode prefill or decode), so "
+                "its servers cannot swing; run engine vllm (or engine.api vllm) or remove it",
+            )
+        ]
+    if e.name == "vllm" and spec.kv.transfer_backend != "nixl":
+        return [
+            Violation(
+                "spec.kv.transferBackend",
+                f"poolRoles needs engines that both send and receive KV; vLLM's "
+                f"{spec.kv.transfer_backend} connector is a producer or a consumer — set nixl",
+            )
+        ]
+    if spec.both.replicas < 2:
+        return [
+            Violation(
+                "spec.both.replicas",
+                f"{spec.both.replicas} worker cannot split into prefill and decode; set 2 or "
+                "more, or remove poolRoles",
+            )
+        ]
+    return []
+
+
 def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
     r, s = spec.router, spec.router.session_store
     out: list[Violation] = []
@@ -878,6 +923,7 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 f"only for type redis (type is {s.type}); remove it or set type redis",
             )
         )
+    out += _pool_roles_problems(spec)
     f = r.flow_control
     if f.lifo_after_seconds is not None and f.lifo_after_seconds >= f.lifo_max_wait_seconds:
         out.append(

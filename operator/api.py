@@ -27,7 +27,7 @@ from beamserve.workers.launch.spec import (
     PageSize,
     TransferBackend,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "beamserve.io"
@@ -325,6 +325,33 @@ class ReplicaSyncSpec(_Model):
     set it when two deployments share one Redis."""
 
 
+class PoolRolesSpec(_Model):
+    """An aggregated (`both`) pool whose roles follow its load: its engines can each send and
+    receive KV (vLLM NIXL `kv_both`), and the router serves it colocated while it is lightly
+    loaded and splits it into prefill and decode workers once it is not (docs/policies.md,
+    "Pool roles that follow the load")."""
+
+    prefill_workers: Annotated[int, Field(ge=1)] = 1
+    """Workers that prefill while the pool is split (the lowest ids; at least one decodes)."""
+    split_at_sessions_per_worker: Annotated[float, Field(gt=0)] = 3.0
+    """Active sessions (in flight or between turns) per worker at which the pool splits."""
+    colocate_below_sessions_per_worker: Annotated[float, Field(gt=0)] | None = None
+    """Per worker, below which it serves colocated again (default: ⅔ of the split line);
+    must not exceed splitAtSessionsPerWorker."""
+    settle_seconds: Annotated[float, Field(ge=0)] = 10.0
+    """How long the pool stays under that line before it does."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PoolRolesSpec:
+        c = self.colocate_below_sessions_per_worker
+        if c is not None and c > self.split_at_sessions_per_worker:
+            raise ValueError(
+                f"colocateBelowSessionsPerWorker {c} exceeds splitAtSessionsPerWorker "
+                f"{self.split_at_sessions_per_worker}; lower it, or the pool would flap"
+            )
+        return self
+
+
 class DisaggregationSpec(_Model):
     """When the router sends a prefill to the prefill pool (else colocated on decode)."""
 
@@ -336,6 +363,9 @@ class DisaggregationSpec(_Model):
     """True: a turn routed to the decode worker that holds its session is prefilled there,
     whatever the size of its new part (a prefill worker would recompute the whole context);
     only new sessions' prompts go to the prefill pool."""
+    pool_roles: PoolRolesSpec | None = None
+    """Aggregated serving only (`spec.both`, engine vllm over NIXL, or sim with api vllm): the
+    pool's engines can hand KV to each other and the router chooses their parts by load."""
 
 
 class FlowControlSpec(_Model):

@@ -100,6 +100,14 @@ def _cel_rules() -> list[CelRule]:
             "spec: set prefill and decode (disaggregated), or both (aggregated)",
         ),
         CelRule(
+            "pool-roles-aggregated",
+            ("spec",),
+            "!has(self.router) || !has(self.router.disaggregation) || "
+            "!has(self.router.disaggregation.poolRoles) || has(self.both)",
+            "spec.router.disaggregation.poolRoles: needs aggregated serving (spec.both); remove "
+            "it or serve with one both pool",
+        ),
+        CelRule(
             "model-source-one",
             ("spec", "model", "source"),
             "(has(self.hostPath) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.download) ? 1 : 0)"

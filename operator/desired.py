@@ -68,6 +68,8 @@ LABEL_ROLE = "beamserve.io/role"
 LABEL_POOL = "beamserve.io/pool"
 LABEL_REVISION = "beamserve.io/revision"
 LABEL_ENGINE = "beamserve.io/engine"
+# vLLM's `kv_transfer_config.kv_role`, as the router reads it (`Endpoint.label("kv_role")`)
+LABEL_KV_ROLE = "kv_role"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -288,13 +290,17 @@ class _Context:
         return {LABEL_INSTANCE: self.name, LABEL_ROLE: role, LABEL_REVISION: self.revision}
 
     def discovery_labels(self, role: PoolRole) -> dict[str, str]:
-        return {
+        labels = {
             LABEL_DEPLOYMENT: self.name,
             LABEL_ROLE: role,
             LABEL_POOL: role,
             LABEL_REVISION: self.revision,
             LABEL_ENGINE: self.spec.engine.name,
         }
+        if role == "both" and self.spec.router.disaggregation.pool_roles is not None:
+            # its engines send and receive KV: the router may choose their parts by load
+            labels[LABEL_KV_ROLE] = "kv_both"
+        return labels
 
     def router_labels(self) -> dict[str, str]:
         return {LABEL_INSTANCE: self.name, LABEL_COMPONENT: "router"}

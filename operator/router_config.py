@@ -66,6 +66,21 @@ def load_router_config(path: Path) -> RouterConfigFile:
         raise RouterConfigError(f"{path}: invalid router config:\n  {detail}") from None
 
 
+def _pool_roles(config: RouterConfig) -> dict[str, Any]:
+    """`disaggregation.pool_roles` of the router's `--disaggregation` (absent: fixed roles)."""
+    r = config.disaggregation.pool_roles
+    if r is None:
+        return {}
+    return {
+        "pool_roles": {
+            "prefill_workers": r.prefill_workers,
+            "split_at_sessions_per_worker": r.split_at_sessions_per_worker,
+            "colocate_below_sessions_per_worker": r.colocate_below_sessions_per_worker,
+            "settle_s": r.settle_seconds,
+        }
+    }
+
+
 def router_flags(config: RouterConfig) -> dict[str, Any]:
     """The `beamserve router` argument values (argparse dests) `config` stands for."""
     out: dict[str, Any] = {
@@ -76,6 +91,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "min_uncached_tokens": config.disaggregation.min_uncached_tokens,
             "max_cached_ratio": config.disaggregation.max_cached_ratio,
             "keep_warm_local": config.disaggregation.keep_warm_local,
+            **_pool_roles(config),
         },
         "flow": {
             "max_queued": config.flow_control.max_queued,

@@ -171,10 +171,17 @@ class Router:
         settings: RouterSettings | None = None,
         kv_event_totals: Callable[[], dict[str, float]] | None = None,
         replica_sync: Callable[[], dict[str, Any] | None] | None = None,
+        pool_report: Callable[[], dict[str, Any]] | None = None,
+        pool_split: Callable[[], bool] | None = None,
     ) -> None:
         self.core, self.endpoints, self.sessions, self.flow = core, endpoints, sessions, flow
         # `RouterRuntime.sync_report`: replica sync's health and the peers' bookings (None: off)
         self._sync_report = replica_sync
+        # `RouterRuntime.pool_report`: a `kv_both` pool's mode (None: its roles are fixed)
+        self._pool_report = pool_report
+        # and whether it is split now: while it is not, it is lightly loaded by definition
+        # (`pool_roles`), so no user there needs the pace hold or the pieces
+        self._pool_split = pool_split
         self.upstreams, self.hasher = upstreams, hasher
         self.settings = settings or RouterSettings()
         self._buckets: dict[str, _Bucket] = {}
@@ -211,6 +218,7 @@ class Router:
             "shed": dict(stats.shed),
             "kv_events": self._kv_totals(),
             "replica_sync": self._sync_report() if self._sync_report is not None else None,
+            "pool": self._pool_report() if self._pool_report is not None else None,
         }
 
     def _track(self, d: Dispatch) -> None:
@@ -456,9 +464,10 @@ class Router:
             self._record_decision(decision, rreq)
             if d.spilled:
                 self.metrics.prefill_spills.inc()
-            if self._pace_hold is not None:
+            protect = self._pool_split is None or self._pool_split()
+            if self._pace_hold is not None and protect:
                 await self._hold_for_pace(d, self._pace_hold)
-            if self._pieces is not None:
+            if self._pieces is not None and protect:
                 await self._prefill_in_pieces(turn, decision, self._pieces)
             try:
                 if turn.call.stream:

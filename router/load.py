@@ -541,6 +541,21 @@ class LoadBook:
             gap if self.rest_gap_s is None else self.rest_gap_s + a * (gap - self.rest_gap_s)
         )
 
+    def active_sessions(self, own_requests: int, now: float | None = None) -> int:
+        """Sessions the pool is serving now: `own_requests` (this replica's requests admitted
+        or waiting to be, as its caller counts them), the sessions resting between turns here,
+        and the bookings the peers' books hold (replica sync; a split request counts on both its
+        workers there). `beamserve.router.policy.pool_roles` reads it."""
+        now = self.clock() if now is None else now
+        if self._rest:
+            self._expire(now)
+        n = own_requests + len(self._rest)
+        peers = self.peers
+        if peers is not None:
+            for wid in self._workers:
+                n += peers.counts(wid, now).in_flight
+        return n
+
     def resting_sessions(self, worker: str) -> int:
         """How many sessions rest on `worker` now (the `/metrics` gauge)."""
         if self._rest:

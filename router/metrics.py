@@ -16,6 +16,8 @@ book there); counters `replica_sync_messages_total{direction}` (published | rece
 the outbox full), `replica_sync_errors_total`, `replica_sync_decode_errors_total`,
 `replica_sync_room_tokens_total{kind}` (flow-control room moved between replicas: granted |
 received | borrowed | lent; `router/flow/controller.py`, "Several replicas").
+With pool roles by load (`router/policy/pool_roles.py`): gauge `pool_split` (1 while split),
+counter `pool_mode_switches_total`.
 Histogram: `decision_seconds` (routing step: tokenize + hash + match + policy).
 """
 
@@ -74,6 +76,18 @@ class _Live(Collector):
         sync = s.get("replica_sync")
         if sync is not None:
             yield from _sync_families(sync)
+        pool = s.get("pool")
+        if pool is not None:
+            yield GaugeMetricFamily(
+                "beamserve_router_pool_split",
+                "1 while the kv_both pool is split into prefill and decode workers.",
+                value=float(pool["split"]),
+            )
+            yield CounterMetricFamily(
+                "beamserve_router_pool_mode_switches",
+                "Times the kv_both pool switched between colocated and split.",
+                value=pool["switches"],
+            )
 
 
 def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:

@@ -56,6 +56,7 @@ from beamserve.router.index import KVEventHub, PrefixIndex
 from beamserve.router.load import LOAD_METRICS, LoadBook
 from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
+from beamserve.router.policy.pool_roles import PoolRoles
 from beamserve.router.prompt import PromptHasher
 from beamserve.router.sessions import RedisSessionStore, make_session_store, session_tip
 from beamserve.router.sync import RedisReplicaSync, SyncParams, sync_channel
@@ -138,6 +139,9 @@ class RouterRuntime:
         self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url)
         self.facts = FactsBook(geometry)
+        # A `kv_both` pool's roles by load (`beamserve.router.policy.pool_roles`; None: fixed).
+        roles = disagg.params.pool_roles
+        self.pool_roles = None if roles is None else PoolRoles(roles)
         self._discovered: list[Endpoint] = []
         self.hub = KVEventHub(self.index)
         self.upstreams = Upstreams(
@@ -159,6 +163,8 @@ class RouterRuntime:
             c.settings,
             kv_event_totals=self._kv_totals,
             replica_sync=self.sync_report,
+            pool_report=self.pool_report if self.pool_roles is not None else None,
+            pool_split=self._pool_split if self.pool_roles is not None else None,
         )
         self.app = build_router_app(self.router)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -182,8 +188,27 @@ class RouterRuntime:
             self.sessions.on_down = self.sync.redis_lost
 
     def endpoints(self) -> list[Endpoint]:
-        """The discovered workers with what each reported about itself (`router.facts`)."""
-        return self.facts.endpoints(self._discovered)
+        """The discovered workers with what each reported about itself (`router.facts`), and
+        in a pool whose roles follow its load, the roles of its mode now (`pool_roles`)."""
+        eps = self.facts.endpoints(self._discovered)
+        roles = self.pool_roles
+        if roles is None:
+            return eps
+        now = self.loads.clock()
+        own = self.core.open_dispatches + self.flow.waiting
+        return roles.apply(eps, self.loads.active_sessions(own, now), now)
+
+    def _pool_split(self) -> bool:
+        """Is the pool split, as of the last routing step (which set the mode)."""
+        roles = self.pool_roles
+        return roles is not None and roles.mode == "split"
+
+    def pool_report(self) -> dict[str, Any]:
+        """The pool's mode for `/metrics` (`router.metrics`): split or not, and the switches."""
+        roles = self.pool_roles
+        assert roles is not None
+        self.endpoints()  # the mode as of now
+        return {"split": roles.mode == "split", "switches": roles.switch.switches}
 
     def sync_report(self) -> dict[str, Any] | None:
         """Replica sync's health and the fresh peers' bookings per worker, for `/metrics`
@@ -285,7 +310,7 @@ class RouterRuntime:
     def _prefill_stage_loads(self) -> list[WorkerLoad]:
         """The loads of the prefill-only workers (none in a colocated pool)."""
         return [
-            self.loads.load(e.id) for e in self._discovered if e.can_prefill and not e.can_decode
+            self.loads.load(e.id) for e in self.endpoints() if e.can_prefill and not e.can_decode
         ]
 
     def _spill_target(self, cost: int, pending: Mapping[str, int]) -> str | None:
@@ -297,7 +322,7 @@ class RouterRuntime:
             return None
         now = self.loads.clock()
         best: tuple[int, str] | None = None
-        for e in self._discovered:
+        for e in self.endpoints():
             if not (e.can_decode and e.receives_kv) or not self.loads.load(e.id, now).healthy:
                 continue
             queued = self.loads.spill_room(
@@ -315,7 +340,7 @@ class RouterRuntime:
 
     def _observe_pool(self) -> None:
         self._observe_due = False
-        self.flow.observe_pool([self.loads.load(e.id) for e in self._discovered if e.can_decode])
+        self.flow.observe_pool([self.loads.load(e.id) for e in self.endpoints() if e.can_decode])
 
     async def _get_text(self, url: str) -> tuple[int, str]:
         async with self.upstreams.http.get(url, timeout=SCRAPE_TIMEOUT) as r:
@@ -344,7 +369,7 @@ class RouterRuntime:
         # (a changed format resubscribes that worker).
         self.facts.event_windows(self.index.reported_windows)
         self.hub.sync(self.endpoints())
-        self.flow.observe_pool([self.loads.load(e.id) for e in eps if e.can_decode])
+        self.flow.observe_pool([self.loads.load(e.id) for e in self.endpoints() if e.can_decode])
 
     async def _scrape_loop(self) -> None:
         while True:

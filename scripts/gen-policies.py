@@ -44,6 +44,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("router/policy/random_weighted.py", "Picker `random-weighted`"),
     ("router/policy/round_robin.py", "Picker `round-robin`"),
     ("router/policy/disagg.py", "Conditional disaggregation (P/D decider)"),
+    ("router/policy/pool_roles.py", "Pool roles that follow the load (`kv_both` pools)"),
 ]
 
 INTRO = """# Routing and flow-control policies

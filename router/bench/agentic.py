@@ -347,6 +347,7 @@ def _one_run(
             catch_up_s=cfg.catch_up_s,
             max_batched_tokens=cfg.max_batched_tokens,
             prefill=spec.prefill_workers(cfg.workers),
+            kv_both=spec.kv_both,
         )
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)

@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 SIM_ARGS = ("--engine", "sim", "--api", "sglang")
+# A `kv_both` pool's workers (`RouterSpec.kv_both`): vLLM's surface, whose NIXL-style handoff
+# any worker can send or receive (SGLang's `--disaggregation-mode` fixes each worker's part).
+SIM_ARGS_KV_BOTH = ("--engine", "sim", "--api", "vllm", "--handshake-port", "0")
 _LIVE: set[ManagedProc] = set()
 
 
@@ -210,6 +213,7 @@ class Worker:
     kv_replay: str | None
     pid: int
     role: str = "both"
+    kv_both: bool = False  # sends and receives KV (vLLM kv_role kv_both)
 
 
 def start_workers(
@@ -223,16 +227,22 @@ def start_workers(
     ready_timeout_s: float = 120.0,
     tag: str = "w",
     prefill: int = 0,
+    kv_both: bool = False,
 ) -> list[Worker]:
     """`n` fresh sim workers (SGLang surface, KV events on free loopback ports), in parallel.
     `prefill` > 0: the first `prefill` of them are started `--role prefill` (SGLang bootstrap
-    on a free port) and the rest `--role decode`, a disaggregated pool of the same `n`."""
+    on a free port) and the rest `--role decode`, a disaggregated pool of the same `n`.
+    `kv_both`: all of them role `both` on vLLM's surface with a KV handshake server, each able
+    to send and receive KV (the router chooses their parts: `pool_roles`)."""
     if not 0 <= prefill < n or (prefill and n < 2):
         raise ValueError(f"prefill workers: {prefill} of {n}; give 0 (colocated) or 1..{n - 1}")
+    if prefill and kv_both:
+        raise ValueError("kv_both: every worker is role both; give prefill=0")
     started = []
     roles = ["both"] * n if not prefill else ["prefill"] * prefill + ["decode"] * (n - prefill)
     for i in range(n):
-        argv = [beamserve_exe(), "worker", *SIM_ARGS, "--profile", profile,
+        surface = SIM_ARGS_KV_BOTH if kv_both else SIM_ARGS
+        argv = [beamserve_exe(), "worker", *surface, "--profile", profile,
                 "--host", "127.0.0.1", "--port", "0",
                 "--kv-events-endpoint", "tcp://127.0.0.1:0",
                 "--kv-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
@@ -258,6 +268,7 @@ def start_workers(
                 str(replay) if replay else None,
                 p.pid,
                 role,
+                kv_both,
             )
         )
     return out
@@ -296,6 +307,7 @@ ROUTER_COUNTERS = (
     "beamserve_router_disaggregated_total",
     "beamserve_router_pd_fallbacks_total",
     "beamserve_router_retries_total",
+    "beamserve_router_pool_mode_switches_total",
 )
 
 
@@ -329,6 +341,7 @@ class RouterSpec:
     replicas: int = 1  # > 1: that many processes, one Redis, HAProxy in front (beamserve-xN)
     prefill_share: float = 0.0  # > 0: that share of the workers started as prefill, rest decode
     extra_args: tuple[str, ...] = ()  # more router flags (beamserve)
+    kv_both: bool = False  # its workers are a `kv_both` pool (`start_workers`)
 
     def prefill_workers(self, n: int) -> int:
         """How many of `n` workers this router's runs start as prefill (0: colocated)."""
@@ -383,6 +396,8 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
     endpoints = []
     for w in workers:
         e: dict[str, Any] = {"url": w.url, "role": w.role, "engine": "sim"}
+        if w.kv_both:
+            e["labels"] = {"kv_role": "kv_both"}
         if w.kv_events:
             e["kv_events"] = w.kv_events
             e["kv_replay"] = w.kv_replay
@@ -409,6 +424,20 @@ PD_RULE_FIRST_TURNS = (
     *_PD_SPLIT,
     "--flow",
     json.dumps({"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}),
+)
+# `beamserve-adaptive`: the same rules over a `kv_both` pool of the same 4 workers whose roles
+# follow the load (`beamserve.router.policy.pool_roles`): colocated below 3 active sessions a
+# worker, 2 prefill + 2 decode at or above it (back after 10 s under 2 a worker).
+PD_RULE_ADAPTIVE = (
+    "--disaggregation",
+    json.dumps(
+        {
+            "min_uncached_tokens": 8192,
+            "keep_warm_local": True,
+            "pool_roles": {"prefill_workers": 2, "split_at_sessions_per_worker": 3.0},
+        }
+    ),
+    *PD_RULE_FIRST_TURNS[2:],
 )
 # `beamserve-2p2d-no-pieces`: the same without the pieces (the pool as built before them).
 PD_RULE_NO_PIECES = (*_PD_SPLIT, "--flow", json.dumps({"pace_hold_tokens": 1024}))
@@ -458,6 +487,9 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-2p2d", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_FIRST_TURNS),
+        RouterSpec("beamserve-adaptive", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=PD_RULE_ADAPTIVE),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

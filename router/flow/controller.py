@@ -522,6 +522,11 @@ class FlowController:
             return cap
         return max(1, min(cap, math.ceil((ahead + 1) / rate)))
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued now, every band."""
+        return sum(self._queued.values())
+
     def stats(self) -> FlowStats:
         now = self._clock()
         return FlowStats(

@@ -45,6 +45,7 @@ the stable hash of the session/request id. No such worker → prefill locally.
 | `max_cached_ratio` | ``0.7`` | cached share of the prompt below which it goes remote |
 | `require` | ``"both"`` | ``"both"``: both tests must hold; ``"either"``: one suffices |
 | `keep_warm_local` | ``false`` | ``true``: a turn on its session's own worker prefills there |
+| `pool_roles` | ``null`` | a ``kv_both`` pool's roles follow its load (`pool_roles`) |
 | `prefill_tok_s`, … | as `ttft` | the `ttft` parameters: cost of each prefill candidate |
 
 Block size and sliding window are no parameters: each worker's come from its KV geometry
@@ -68,6 +69,7 @@ import structlog
 from beamserve.kvwire.geometry import DEFAULT_GEOMETRY
 from beamserve.router.policy.base import break_tie, parse_params
 from beamserve.router.policy.kv_compat import pairs_with
+from beamserve.router.policy.pool_roles import PoolRolesParams
 from beamserve.router.policy.prefix_affinity import effective_cached_tokens
 from beamserve.router.policy.ttft import TTFTParams, estimate_ttft
 from beamserve.router.types import Endpoint, PrefixHit, RouteDecision, RouteRequest, WorkerView
@@ -84,6 +86,8 @@ class DisaggregationParams(TTFTParams):
     max_cached_ratio: float = Field(default=0.7, ge=0.0, le=1.0)
     require: Require = "both"
     keep_warm_local: bool = False
+    # A `kv_both` pool's roles follow its load (`beamserve.router.policy.pool_roles`).
+    pool_roles: PoolRolesParams | None = None
 
 
 def decide_disaggregation(

@@ -251,6 +251,25 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.model.format"),
     ("sim with fp8 KV", _sim(kv={"dtype": "fp8_e4m3"}), "spec.kv.dtype"),
     ("sim without prefix caching", _sim(kv={"prefixCaching": False}), "spec.kv.prefixCaching"),
+    # pool roles that follow the load: one aggregated pool of engines that send and receive KV
+    ("poolRoles on a P/D pair", S.disagg(engine={"name": "vllm", "image": "v"}, router={
+        "disaggregation": {"poolRoles": {}}}), "spec.router.disaggregation.poolRoles"),
+    ("poolRoles on SGLang", S.aggregated(engine={"name": "sglang", "image": "s"}, both={
+        "replicas": 4}, router={"disaggregation": {"poolRoles": {}}}),
+     "spec.router.disaggregation.poolRoles"),
+    ("poolRoles on the sim's SGLang surface", S.aggregated(engine={
+        "name": "sim", "image": D, "api": "sglang"}, both={"replicas": 4, "tp": 1}, router={
+        "disaggregation": {"poolRoles": {}}}), "spec.router.disaggregation.poolRoles"),
+    ("poolRoles over Mooncake", S.aggregated(both={"replicas": 4}, kv={
+        "transferBackend": "mooncake"}, router={"disaggregation": {"poolRoles": {}}}),
+     "spec.kv.transferBackend"),
+    ("poolRoles on one worker", S.aggregated(router={"disaggregation": {"poolRoles": {}}}),
+     "spec.both.replicas"),
+    ("poolRoles lines crossed", S.aggregated(both={"replicas": 4}, router={"disaggregation": {
+        "poolRoles": {"splitAtSessionsPerWorker": 2, "colocateBelowSessionsPerWorker": 3}}}),
+     "spec.router.disaggregation.poolRoles"),
+    ("poolRoles unknown key", S.aggregated(both={"replicas": 4}, router={"disaggregation": {
+        "poolRoles": {"prefillWorker": 2}}}), "spec.router.disaggregation.poolRoles.prefillWorker"),
     # rollout
     ("no rollout progress", S.disagg(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
      "spec.rollout.maxSurge"),
@@ -299,6 +318,10 @@ def test_invalid_spec_names_the_field(spec: dict[str, Any], path: str) -> None:
         S.disagg(engine={"extraArgs": ["--enable-torch-compile"], "extraEnv": [{"name": "A"}]}),
         S.disagg(rollout={"maxSurge": "25%", "maxUnavailable": 0}),
         S.disagg(monitoring={"interval": "1m30s"}),
+        S.aggregated(both={"replicas": 4}, router={"disaggregation": {"poolRoles": {
+            "prefillWorkers": 2, "splitAtSessionsPerWorker": 3}}}),
+        S.aggregated(engine={"name": "sim", "image": D, "api": "vllm"}, both={"replicas": 2,
+            "tp": 1}, router={"disaggregation": {"poolRoles": {}}}),
         S.disagg(decode={"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},
                                        "limits": {"cpu": 2, "memory": "1e11"}}}),
     ],

@@ -35,6 +35,12 @@ CASES: dict[str, tuple[Spec, Spec]] = {
     "name-length": (S.obj(S.disagg(), "b" * 29), S.obj(S.disagg(), "b" * 30)),
     "pools-exclusive": (S.disagg(), S.disagg(both={"tp": 4})),
     "pools-present": (S.aggregated(), S.disagg(prefill=D)),
+    "pool-roles-aggregated": (
+        S.aggregated(both={"replicas": 4}, router={"disaggregation": {"poolRoles": {}}}),
+        S.disagg(
+            engine={"name": "vllm", "image": "v"}, router={"disaggregation": {"poolRoles": {}}}
+        ),
+    ),
     "model-source-one": (S.disagg(), S.disagg(model={"source": {"pvc": {"claimName": "m"}}})),
     "draft-source-one": (
         S.disagg(model={"draft": {"source": {"pvc": {"claimName": "d"}}}}),

@@ -335,3 +335,51 @@ def test_quantities_are_strings_for_server_side_apply() -> None:
     )
     limits = decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "4"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sim"])
+def test_pool_roles_render_a_kv_both_pool_the_router_can_split(engine: str) -> None:
+    """`router.disaggregation.poolRoles`: the `both` pool's engines send and receive KV (vLLM:
+    a NixlConnector with `kv_role: kv_both`; sim: its handshake server on the bootstrap port),
+    its Service says so to discovery, and the router's config carries the thresholds."""
+    from beamserve.operator.desired import LABEL_KV_ROLE
+    from beamserve.operator.router_config import router_flags
+
+    over: dict[str, Any] = {
+        "both": {"replicas": 4, "tp": 1 if engine == "sim" else 4},
+        "router": {"disaggregation": {"poolRoles": {"prefillWorkers": 2, "settleSeconds": 5}}},
+    }
+    if engine == "sim":
+        over["engine"] = {"name": "sim", "image": _specs.DELETE, "api": "vllm"}
+    doc = _specs.obj(_specs.aggregated(**over))
+    assert validate(doc) == []
+    objs = render(doc)
+    (svc,) = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] != "beam-router"]
+    assert svc["metadata"]["labels"][LABEL_KV_ROLE] == "kv_both"
+    pool = next(d for d in by_kind(objs, "Deployment") if "-both-" in d["metadata"]["name"])
+    argv = pool["spec"]["template"]["spec"]["containers"][0]["command"]
+    if engine == "vllm":
+        ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert (ktc["kv_connector"], ktc["kv_role"]) == ("NixlConnector", "kv_both")
+    else:
+        assert argv[argv.index("--handshake-port") + 1] == "8998"
+    bd = parse_deployment(doc)
+    flags = router_flags(bd.spec.router)
+    assert flags["disaggregation"]["pool_roles"] == {
+        "prefill_workers": 2,
+        "split_at_sessions_per_worker": 3.0,
+        "colocate_below_sessions_per_worker": None,
+        "settle_s": 5.0,
+    }
+    # the router takes that config as it is
+    from beamserve.router.policy import ConditionalDisaggregation
+
+    params = ConditionalDisaggregation.from_params(flags["disaggregation"]).params
+    assert params.pool_roles is not None and params.pool_roles.prefill_workers == 2
+    # without poolRoles: no connector, no label
+    plain = render(_specs.obj(_specs.aggregated(both={"replicas": 4})))
+    (svc,) = [s for s in by_kind(plain, "Service") if s["metadata"]["name"] != "beam-router"]
+    assert LABEL_KV_ROLE not in svc["metadata"]["labels"]
+    pool = next(d for d in by_kind(plain, "Deployment") if "-both-" in d["metadata"]["name"])
+    argv = pool["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--kv-transfer-config" not in argv

@@ -403,6 +403,23 @@ def test_vllm_mooncake_and_dp_attention(vllm: Checker) -> None:
     assert got["env"] == {"VLLM_HOST_IP": POD_IP, "VLLM_MOONCAKE_BOOTSTRAP_PORT": 9100}
 
 
+def test_vllm_kv_both_pool_sends_and_receives_over_nixl(vllm: Checker) -> None:
+    """A `both` pool whose parts the router chooses (`kv_both`): vLLM's parser takes a
+    NixlConnector with `kv_role: kv_both`, and the side channel is on the pod IP."""
+    s = typical("vllm", "both", kv_both=True)
+    got = ok(vllm.command(render_vllm(s)))
+    ktc = got["parsed"]["kv_transfer_config"]
+    assert (ktc["kv_connector"], ktc["kv_role"]) == ("NixlConnector", "kv_both")
+    assert ktc["kv_load_failure_policy"] == "recompute"
+    assert got["env"] == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": POD_IP,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": 5600,
+    }
+    # without kv_both a `both` pool has no connector at all
+    plain = ok(vllm.command(render_vllm(typical("vllm", "both"))))
+    assert plain["parsed"]["kv_transfer_config"] is None and plain["env"] == {}
+
+
 @settings(
     max_examples=40,
     deadline=None,

@@ -363,3 +363,25 @@ def test_spec_stays_hashable_with_extra_env() -> None:
     b = PoolSpec.parse({**MINIMAL, "env": {"SGLANG_LOG_MS": "1"}})
     assert a == b and len({a, b}) == 1
     assert hash(a) != hash(PoolSpec.parse(MINIMAL))
+
+
+def test_kv_both_is_a_vllm_nixl_both_pool_only() -> None:
+    vllm_both = {**MINIMAL, "engine": "vllm", "role": "both", "kv_both": True}
+    spec = PoolSpec.parse(vllm_both)
+    assert spec.kv_both and spec.hands_off_kv and not spec.disaggregated
+    assert any(
+        line.startswith("kv_both: SGLang fixes each server's part")
+        for line in problems({**vllm_both, "engine": "sglang"})
+    )
+    assert any(
+        line.startswith("kv_both: vLLM's mooncake connector is a producer or a consumer")
+        for line in problems({**vllm_both, "transfer": {"backend": "mooncake"}})
+    )
+    assert any(
+        line.startswith("kv_both: a decode pool already hands KV over")
+        for line in problems({**vllm_both, "role": "decode"})
+    )
+    # it opens the NIXL side channel: the port must not clash
+    assert problems({**vllm_both, "port": 5600}) == (
+        "transfer.side_channel_port: port 5600 is already taken by port; pick another",
+    )

@@ -227,6 +227,13 @@ class PoolSpec(_Strict):
     node_rank_env: str = "LWS_WORKER_INDEX"
     """Variable holding this pod's index in its group, 0 on the leader (LeaderWorkerSet)."""
 
+    kv_both: bool = False
+    """Role `both` only: the engine can also send and receive KV (vLLM `NixlConnector`,
+    `kv_role: kv_both`), so the router may split the pool into prefill and decode workers while
+    it is busy and serve it colocated while it is not (`beamserve.router.policy.pool_roles`).
+    vLLM over NIXL only: SGLang fixes each server's part (`--disaggregation-mode`), and vLLM's
+    Mooncake connector is a producer or a consumer."""
+
     env: dict[str, str] = {}
     """Extra environment for the engine (e.g. benchmark switches); may not repeat a variable
     the renderer sets."""
@@ -238,6 +245,11 @@ class PoolSpec(_Strict):
     @property
     def disaggregated(self) -> bool:
         return self.role != "both"
+
+    @property
+    def hands_off_kv(self) -> bool:
+        """Sends or receives KV: a prefill or decode pool, or a `kv_both` one."""
+        return self.disaggregated or self.kv_both
 
     @property
     def multinode(self) -> bool:
@@ -310,8 +322,24 @@ def _engine_problems(s: PoolSpec) -> list[str]:
             f"pod_ip_env: {s.pod_ip_env!r} is not an environment variable name; "
             "use letters, digits and underscores, e.g. POD_IP"
         )
+    if s.kv_both:
+        if s.role != "both":
+            out.append(
+                f"kv_both: a {s.role} pool already hands KV over; kv_both is for role both "
+                "pools whose parts the router chooses; remove it"
+            )
+        if s.engine != "vllm":
+            out.append(
+                "kv_both: SGLang fixes each server's part (--disaggregation-mode prefill or "
+                "decode); run the pool on vllm or remove kv_both"
+            )
+        elif s.transfer.backend != "nixl":
+            out.append(
+                f"kv_both: vLLM's {s.transfer.backend} connector is a producer or a consumer, "
+                "never both; set transfer.backend to nixl or remove kv_both"
+            )
     ports = {"port": s.port}
-    if s.disaggregated:
+    if s.hands_off_kv:
         if s.engine == "sglang" and s.role == "prefill":
             ports["transfer.bootstrap_port"] = s.transfer.bootstrap_port
         if s.engine == "vllm" and s.transfer.backend == "nixl":
@@ -500,7 +528,7 @@ def _backend_name(engine: str, name: str) -> str:
 def _taken_ports(s: PoolSpec) -> dict[int, str]:
     """The HTTP and transfer ports `s` opens (KV-event sockets are checked on their own)."""
     ports = {s.port: "port"}
-    if s.disaggregated:
+    if s.hands_off_kv:
         t = s.transfer
         if s.engine == "sglang" and s.role == "prefill":
             ports.setdefault(t.bootstrap_port, "transfer.bootstrap_port")

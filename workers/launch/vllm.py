@@ -77,7 +77,7 @@ def render_vllm(
     transfer = kv_transfer_config(spec)
     if transfer is not None:
         argv += ["--kv-transfer-config", _json(transfer)]
-    if spec.disaggregated:
+    if spec.hands_off_kv:
         t = spec.transfer
         if t.backend == "nixl":
             # vLLM defaults the NIXL side channel to localhost; peers in other pods must
@@ -136,7 +136,7 @@ def kv_transfer_config(spec: PoolSpec) -> dict[str, Any] | None:
     (`VllmConfig._post_init_kv_transfer_config`), which would silently drop P/D transfer.
     """
     parts: list[dict[str, Any]] = []
-    if spec.disaggregated:
+    if spec.hands_off_kv:
         t = spec.transfer
         if t.backend == "nixl":
             role = "kv_both"
@@ -163,7 +163,7 @@ def kv_transfer_config(spec: PoolSpec) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"connectors": parts},
         }
-    if spec.disaggregated:
+    if spec.hands_off_kv:
         # read from the top-level config only (vllm/v1/core/sched/scheduler.py)
         top["kv_load_failure_policy"] = spec.transfer.on_load_failure
     return top
