@@ -425,20 +425,21 @@ PD_RULE_FIRST_TURNS = (
     "--flow",
     json.dumps({"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}),
 )
-# `beamserve-adaptive`: the same rules over a `kv_both` pool of the same 4 workers whose roles
-# follow the load (`beamserve.router.policy.pool_roles`): colocated below 3 active sessions a
-# worker, 2 prefill + 2 decode at or above it (back after 10 s under 2 a worker).
-PD_RULE_ADAPTIVE = (
-    "--disaggregation",
-    json.dumps(
-        {
-            "min_uncached_tokens": 8192,
-            "keep_warm_local": True,
-            "pool_roles": {"prefill_workers": 2, "split_at_sessions_per_worker": 3.0},
-        }
-    ),
-    *PD_RULE_FIRST_TURNS[2:],
-)
+
+
+def pd_rule_adaptive(split_at: float, spill_after_s: float | None = None) -> tuple[str, ...]:
+    """`beamserve-adaptive`: `beamserve-2p2d`'s rules over a `kv_both` pool of the same 4
+    workers whose roles follow the load (`beamserve.router.policy.pool_roles`): colocated below
+    `split_at` active sessions a worker, 2 prefill + 2 decode from there (colocated again after
+    10 s under ⅔ of it). `spill_after_s`: and the prefill stage's spill after that long."""
+    roles = {"prefill_workers": 2, "split_at_sessions_per_worker": split_at}
+    disagg = {"min_uncached_tokens": 8192, "keep_warm_local": True, "pool_roles": roles}
+    flow: dict[str, Any] = {"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}
+    if spill_after_s is not None:
+        flow["prefill_spill_after_s"] = spill_after_s
+    return ("--disaggregation", json.dumps(disagg), "--flow", json.dumps(flow))
+
+
 # `beamserve-2p2d-no-pieces`: the same without the pieces (the pool as built before them).
 PD_RULE_NO_PIECES = (*_PD_SPLIT, "--flow", json.dumps({"pace_hold_tokens": 1024}))
 # `beamserve-2p2d-spill`: with the pieces, and a new session held at the prefill stage 1 s or
@@ -489,7 +490,16 @@ def _router_specs() -> dict[str, RouterSpec]:
                    extra_args=PD_RULE_FIRST_TURNS),
         RouterSpec("beamserve-adaptive", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=PD_RULE_ADAPTIVE),
+                   extra_args=pd_rule_adaptive(6.0)),
+        RouterSpec("beamserve-adaptive-3", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=pd_rule_adaptive(3.0)),
+        RouterSpec("beamserve-adaptive-10", "beamserve", "sticky-until-saturated", "beamserve",
+                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=pd_rule_adaptive(10.0)),
+        RouterSpec("beamserve-adaptive-spill", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=pd_rule_adaptive(6.0, spill_after_s=0.3)),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

@@ -17,7 +17,10 @@ between turns (`LoadBook.active_sessions`), over ``n`` = the pool's ``kv_both`` 
                             without a break for settle_s seconds
 
 The gap between the two thresholds and the settle time keep a pool near the line from flapping;
-a flip costs little anyway: a session keeps its worker while it can (below).
+a flip costs little anyway: a session keeps its worker while it can (below). The default line, 6
+a worker, is where the agentic bench over HTTP (4 sim H200 workers, docs/bench/agentic.md, "Pool
+roles that follow the load") had the colocated pool ahead at 16 agents (4 a worker) and the
+split one ahead at 32 (8 a worker); at 3 a worker the pool split at 16 agents and lost there.
 
 What each mode shows the rest of the router (`PoolRoles.apply`: the endpoints with their roles
 overlaid; nothing else changes, so every consumer — the policy, conditional disaggregation, the
@@ -46,7 +49,7 @@ workers without a connector) keep what they are.
 | parameter | default | meaning |
 |---|---|---|
 | `prefill_workers` | ``1`` | workers that prefill while split (at least one decodes) |
-| `split_at_sessions_per_worker` | ``3.0`` | active sessions a worker that split the pool |
+| `split_at_sessions_per_worker` | ``6.0`` | active sessions a worker that split the pool |
 | `colocate_below_sessions_per_worker` | ``null`` | under this (null: ⅔ of the above)… |
 | `settle_s` | ``10.0`` | …for this long, the pool serves colocated again |
 
@@ -77,7 +80,7 @@ MODES: tuple[Mode, ...] = ("colocated", "split")
 
 class PoolRolesParams(PluginParams):
     prefill_workers: int = Field(default=1, ge=1)
-    split_at_sessions_per_worker: float = Field(default=3.0, gt=0.0)
+    split_at_sessions_per_worker: float = Field(default=6.0, gt=0.0)
     # None: two thirds of the split line
     colocate_below_sessions_per_worker: float | None = Field(default=None, gt=0.0)
     settle_s: float = Field(default=10.0, ge=0.0)

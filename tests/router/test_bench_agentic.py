@@ -272,6 +272,31 @@ def test_a_2p2d_run_starts_the_same_workers_as_prefill_and_decode_and_splits_fir
         assert "kv_transfer_failed" not in (logs / f"{w}.err").read_text()
 
 
+def test_an_adaptive_run_starts_a_kv_both_pool_and_serves_it_colocated_while_light(
+    beamserve: RunBeamserve, tmp_path: Path
+) -> None:
+    """`beamserve-adaptive`: every worker role both on vLLM's surface with a KV handshake
+    server; the router takes them as a pool that can swing (no `pool.roles_fixed` warning) and,
+    3 sessions on 4 workers being under its split line, serves it colocated: nothing split."""
+    out = tmp_path / "adaptive.json"
+    r = beamserve(
+        "bench", "agentic", "--routers", "beamserve-adaptive", "--workers", "4", "--sessions",
+        "3", "--max-turns", "2", "--concurrency", "3", "--token-scale", "0.25", "--think-scale",
+        "0", "--json", str(out), "--logs", str(tmp_path / "logs"), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["ok"] == row["requests"] == 6 and row["errors"] == {}
+    logs = tmp_path / "logs" / "beamserve-adaptive-c3"
+    ready = [json.loads((logs / f"w{i}.out").read_text().splitlines()[0]) for i in range(4)]
+    assert [w["role"] for w in ready] == ["both"] * 4
+    assert all(w["handshake_url"] and w["api"] == "vllm" for w in ready)
+    assert "pool.roles_fixed" not in (logs / "beamserve-adaptive.err").read_text()
+    counters = row["router_counters"]
+    assert counters["beamserve_router_pool_mode_switches_total"] == 0
+    assert counters["beamserve_router_disaggregated_total"] == 0
+
+
 def test_two_router_replicas_behind_haproxy_share_sessions(
     beamserve: RunBeamserve, tmp_path: Path
 ) -> None:
