@@ -130,7 +130,7 @@ def test_params_are_checked_and_name_the_field() -> None:
         ConditionalDisaggregation.from_params({"pool_roles": {"prefil_workers": 2}})
     with pytest.raises(PolicyConfigError, match="colocate_below_sessions_per_worker"):
         ConditionalDisaggregation.from_params(
-            {"pool_roles": {"colocate_below_sessions_per_worker": 4}}
+            {"pool_roles": {"colocate_below_sessions_per_worker": 7}}
         )
     with pytest.raises(PolicyConfigError, match=r"pool_roles\.prefill_workers"):
         ConditionalDisaggregation.from_params({"pool_roles": {"prefill_workers": 0}})
@@ -199,9 +199,8 @@ def test_idle_pool_serves_colocated_and_splits_once_busy(spawn_worker: SpawnWork
     bring the pool to its split line (3.5 a worker: sessions resting, one arriving): the one
     that crosses it is prefilled on the lower id and decoded on the other, and the session
     resting on the worker that now only prefills moves on its next turn — its prefill leg runs
-    where its context is cached and its KV moves to the decode worker. The pieces wait for the
-    split: a long new part is prefilled whole while the pool is colocated, in pieces on its
-    decode worker once it is split. Nothing stays booked."""
+    where its context is cached and its KV moves to the decode worker; its next long new part
+    is prefilled there in pieces. Nothing stays booked."""
     rt, ids, urls = kv_both_router(spawn_worker, 2, prefill_workers=1,
                                    split_at_sessions_per_worker=3.5, settle_s=3600)  # fmt: skip
     roles = rt.pool_roles
@@ -228,14 +227,6 @@ def test_idle_pool_serves_colocated_and_splits_once_busy(spawn_worker: SpawnWork
                     moved = sid
                     break
             assert moved is not None, "no session was placed on the lower id"
-            # a long new part while colocated: no pieces
-            msgs = turn(history["s0"], "the tool said " + TOOL_OUTPUT)
-            r = await c.post(URL, json={"model": "beam", "messages": msgs, "max_tokens": 2},
-                             headers={"x-session-id": "s0"})  # fmt: skip
-            assert r.status_code == 200, r.text
-            history["s0"] = [*msgs, r.json()["choices"][0]["message"]]
-            text = (await c.get("/metrics")).text
-            assert metric_in(text, "beamserve_router_prefill_pieces_total") == 0
             assert metric(urls[0], "beamserve_worker_kv_transfers_total") == 0
             assert metric(urls[1], "beamserve_worker_kv_transfers_total") == 0
             assert "beamserve_router_pool_split 0.0" in (await c.get("/metrics")).text
@@ -271,6 +262,32 @@ def test_idle_pool_serves_colocated_and_splits_once_busy(spawn_worker: SpawnWork
             )
             assert "beamserve_router_pool_split 1.0" in text
             assert "beamserve_router_pool_mode_switches_total 1.0" in text
+            nothing_booked(rt, *ids)
+
+    asyncio.run(main())
+
+
+def test_a_colocated_pool_prefills_long_new_parts_whole(spawn_worker: SpawnWorker) -> None:
+    """While the pool is colocated (under its line) the pieces wait: a continuing turn with a
+    long new part is prefilled whole on its worker, and nothing moves."""
+    rt, ids, urls = kv_both_router(spawn_worker, 2, split_at_sessions_per_worker=50)
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            msgs = turn([], "session s: " + TOOL_OUTPUT)
+            r = await c.post(URL, json={"model": "beam", "messages": msgs, "max_tokens": 2},
+                             headers={"x-session-id": "s"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            msgs = turn([*msgs, r.json()["choices"][0]["message"]], "again: " + TOOL_OUTPUT)
+            r = await c.post(URL, json={"model": "beam", "messages": msgs, "max_tokens": 2},
+                             headers={"x-session-id": "s"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 5000
+            text = (await c.get("/metrics")).text
+            assert metric_in(text, "beamserve_router_prefill_pieces_total") == 0
+            assert metric_in(text, "beamserve_router_disaggregated_total") == 0
+            assert "beamserve_router_pool_split 0.0" in text
+            assert sum(metric(u, "beamserve_worker_kv_transfers_total") for u in urls) == 0
             nothing_booked(rt, *ids)
 
     asyncio.run(main())
