@@ -46,6 +46,11 @@ part there and its whole context moves by KV transfer. Nothing is computed twice
 Workers that are not ``kv_both`` (fixed ``prefill`` / ``decode`` roles, SGLang workers, vLLM
 workers without a connector) keep what they are.
 
+Several router replicas: each decides the mode from its own requests and resting sessions plus
+the requests its peers book (replica sync), so near the line two replicas can disagree for a
+moment; a session placed meanwhile on a worker that is a prefill worker to the other replica
+moves once more, by the same handoff. The prefill workers are the same on every replica.
+
 | parameter | default | meaning |
 |---|---|---|
 | `prefill_workers` | ``1`` | workers that prefill while split (at least one decodes) |
