@@ -600,8 +600,7 @@ def _port_problems(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> 
     span = pool.attention_dp if engine == "vllm" else 1
     used: list[tuple[str, int, int]] = [("http", ports.http, 1)]
     used += [("kvEvents", ports.kv_events, span), ("kvReplay", ports.kv_replay, span)]
-    swings = role == "both" and spec.router.disaggregation.pool_roles is not None
-    if role != "both" or swings:
+    if role != "both" or spec.swings(role):
         if engine == "vllm" and spec.kv.transfer_backend == "nixl":
             used.append(("sideChannel", ports.side_channel, span))
         elif (engine == "vllm" and spec.kv.transfer_backend == "mooncake") or role == "prefill":

@@ -523,6 +523,11 @@ class BeamDeploymentSpec(_Model):
                 out[role] = pool
         return out
 
+    def swings(self, role: PoolRole) -> bool:
+        """Is `role`'s pool one whose parts the router chooses by load: the `both` pool, with
+        `router.disaggregation.poolRoles` set (its engines send and receive KV)."""
+        return role == "both" and self.router.disaggregation.pool_roles is not None
+
     def page_size(self, role: PoolRole) -> int:
         pool = getattr(self, role)
         override = pool.kv.page_size if pool is not None else None

@@ -297,7 +297,7 @@ class _Context:
             LABEL_REVISION: self.revision,
             LABEL_ENGINE: self.spec.engine.name,
         }
-        if role == "both" and self.spec.router.disaggregation.pool_roles is not None:
+        if self.spec.swings(role):
             # its engines send and receive KV: the router may choose their parts by load
             labels[LABEL_KV_ROLE] = "kv_both"
         return labels

@@ -137,7 +137,7 @@ def launch_spec_dict(spec: BeamDeploymentSpec, role: PoolRole) -> dict[str, Any]
         "port": pool.ports.http,
         "pod_ip_env": POD_IP_ENV,
     }
-    if role == "both" and spec.router.disaggregation.pool_roles is not None:
+    if spec.swings(role):
         out["kv_both"] = True  # the router chooses its parts by load (`pool_roles`)
     if kv.ib_device is not None and spec.engine.name == "sglang":
         out["transfer"]["ib_device"] = kv.ib_device
@@ -232,7 +232,7 @@ def _worker_argv(spec: BeamDeploymentSpec, role: PoolRole, pool: PoolSpec) -> li
         argv += ["--tp", str(pool.tp // pool.attention_dp)]
     argv += ["--kv-events-endpoint", f"tcp://*:{pool.ports.kv_events}"]
     argv += ["--kv-replay-endpoint", f"tcp://*:{pool.ports.kv_replay}"]
-    swings = role == "both" and spec.router.disaggregation.pool_roles is not None
+    swings = spec.swings(role)
     if role != "both" or swings:
         argv += ["--transfer-backend", spec.kv.transfer_backend]
     if role == "prefill" or swings:  # a swinging pool's workers may serve prefill legs

@@ -61,6 +61,7 @@ from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
+from beamserve.router.policy.pool_roles import PoolRoles
 from beamserve.router.prompt import PromptHasher, PromptKey, PromptTooLong
 from beamserve.router.sessions import SessionRecord, SessionStore, extends_tip, tip_blocks
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
@@ -171,17 +172,15 @@ class Router:
         settings: RouterSettings | None = None,
         kv_event_totals: Callable[[], dict[str, float]] | None = None,
         replica_sync: Callable[[], dict[str, Any] | None] | None = None,
-        pool_report: Callable[[], dict[str, Any]] | None = None,
-        pool_split: Callable[[], bool] | None = None,
+        pool_roles: PoolRoles | None = None,
     ) -> None:
         self.core, self.endpoints, self.sessions, self.flow = core, endpoints, sessions, flow
         # `RouterRuntime.sync_report`: replica sync's health and the peers' bookings (None: off)
         self._sync_report = replica_sync
-        # `RouterRuntime.pool_report`: a `kv_both` pool's mode (None: its roles are fixed)
-        self._pool_report = pool_report
-        # and whether it is split now: while it is not, it is lightly loaded by definition
-        # (`pool_roles`), so no user there needs the pace hold or the pieces
-        self._pool_split = pool_split
+        # A `kv_both` pool's roles by load (None: fixed), its mode set by `endpoints()`. While
+        # it is not split it is lightly loaded by definition, so no user there needs the pace
+        # hold or the pieces.
+        self._pool_roles = pool_roles
         self.upstreams, self.hasher = upstreams, hasher
         self.settings = settings or RouterSettings()
         self._buckets: dict[str, _Bucket] = {}
@@ -218,8 +217,15 @@ class Router:
             "shed": dict(stats.shed),
             "kv_events": self._kv_totals(),
             "replica_sync": self._sync_report() if self._sync_report is not None else None,
-            "pool": self._pool_report() if self._pool_report is not None else None,
+            "pool": self._pool_state(),
         }
+
+    def _pool_state(self) -> dict[str, Any] | None:
+        """The pool's mode as of `_live`'s `endpoints()` call above (None: fixed roles)."""
+        roles = self._pool_roles
+        if roles is None:
+            return None
+        return {"split": roles.mode == "split", "switches": roles.switch.switches}
 
     def _track(self, d: Dispatch) -> None:
         self._dispatches[id(d)] = d
@@ -464,7 +470,7 @@ class Router:
             self._record_decision(decision, rreq)
             if d.spilled:
                 self.metrics.prefill_spills.inc()
-            protect = self._pool_split is None or self._pool_split()
+            protect = self._pool_roles is None or self._pool_roles.mode == "split"
             if self._pace_hold is not None and protect:
                 await self._hold_for_pace(d, self._pace_hold)
             if self._pieces is not None and protect:

@@ -163,8 +163,7 @@ class RouterRuntime:
             c.settings,
             kv_event_totals=self._kv_totals,
             replica_sync=self.sync_report,
-            pool_report=self.pool_report if self.pool_roles is not None else None,
-            pool_split=self._pool_split if self.pool_roles is not None else None,
+            pool_roles=self.pool_roles,
         )
         self.app = build_router_app(self.router)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -197,18 +196,6 @@ class RouterRuntime:
         now = self.loads.clock()
         own = self.core.open_dispatches + self.flow.waiting
         return roles.apply(eps, self.loads.active_sessions(own, now), now)
-
-    def _pool_split(self) -> bool:
-        """Is the pool split, as of the last routing step (which set the mode)."""
-        roles = self.pool_roles
-        return roles is not None and roles.mode == "split"
-
-    def pool_report(self) -> dict[str, Any]:
-        """The pool's mode for `/metrics` (`router.metrics`): split or not, and the switches."""
-        roles = self.pool_roles
-        assert roles is not None
-        self.endpoints()  # the mode as of now
-        return {"split": roles.mode == "split", "switches": roles.switch.switches}
 
     def sync_report(self) -> dict[str, Any] | None:
         """Replica sync's health and the fresh peers' bookings per worker, for `/metrics`

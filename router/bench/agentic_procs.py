@@ -419,12 +419,10 @@ def _beamserve_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) -> l
 # A later turn with 1,024+ uncached tokens waits (up to 1.5 s) while its prefill would push a
 # user decoding on its worker under 20 tokens/s (`FlowConfig.pace_hold_tokens`), and one with
 # 4,096+ is prefilled there in 1,024-token pieces (`FlowConfig.prefill_piece_min_tokens`).
-_PD_SPLIT = ("--disaggregation", json.dumps({"min_uncached_tokens": 8192, "keep_warm_local": True}))
-PD_RULE_FIRST_TURNS = (
-    *_PD_SPLIT,
-    "--flow",
-    json.dumps({"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}),
-)
+_SPLIT_RULE: dict[str, Any] = {"min_uncached_tokens": 8192, "keep_warm_local": True}
+_FIRST_TURNS_FLOW: dict[str, Any] = {"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}
+_PD_SPLIT = ("--disaggregation", json.dumps(_SPLIT_RULE))
+PD_RULE_FIRST_TURNS = (*_PD_SPLIT, "--flow", json.dumps(_FIRST_TURNS_FLOW))
 
 
 def pd_rule_adaptive(split_at: float, spill_after_s: float | None = None) -> tuple[str, ...]:
@@ -433,8 +431,8 @@ def pd_rule_adaptive(split_at: float, spill_after_s: float | None = None) -> tup
     `split_at` active sessions a worker, 2 prefill + 2 decode from there (colocated again after
     10 s under ⅔ of it). `spill_after_s`: and the prefill stage's spill after that long."""
     roles = {"prefill_workers": 2, "split_at_sessions_per_worker": split_at}
-    disagg = {"min_uncached_tokens": 8192, "keep_warm_local": True, "pool_roles": roles}
-    flow: dict[str, Any] = {"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}
+    disagg = {**_SPLIT_RULE, "pool_roles": roles}
+    flow = dict(_FIRST_TURNS_FLOW)
     if spill_after_s is not None:
         flow["prefill_spill_after_s"] = spill_after_s
     return ("--disaggregation", json.dumps(disagg), "--flow", json.dumps(flow))
