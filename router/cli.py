@@ -13,7 +13,7 @@ from typing import Any
 
 import uvloop
 
-from beamserve.argtypes import positive_int
+from beamserve.argtypes import positive_float, positive_int
 
 
 def _json_arg(text: str) -> Any:
@@ -80,6 +80,15 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--hash-scheme", choices=("vllm", "sglang"), default="vllm",
                    help="block hashes (and KV events) for workers that report none")  # fmt: skip
     p.add_argument("--redis", default=None, help="redis://host:port/db for shared sessions")
+    p.add_argument(
+        "--redis-op-timeout-s",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="with --redis: budget of one session-store operation, event-loop lag included; "
+        "past it the router serves sessions from local state until Redis answers again "
+        "(default: the store's op_timeout_s, 0.25)",
+    )
     p.add_argument(
         "--replica-sync",
         action=argparse.BooleanOptionalAction,
@@ -173,6 +182,11 @@ def runtime_config(args: argparse.Namespace) -> Any:
         sliding_window=args.sliding_window,  # None: config.json of --tokenizer, else 512
         hash_scheme=args.hash_scheme,
         redis_url=args.redis,
+        **(
+            {}
+            if args.redis_op_timeout_s is None
+            else {"redis_op_timeout_s": args.redis_op_timeout_s}
+        ),
         replica_sync=args.replica_sync,
         sync_channel=args.sync_channel,
         scrape_interval_s=args.scrape_interval_s,

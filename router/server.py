@@ -58,7 +58,12 @@ from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
 from beamserve.router.policy.pool_roles import PoolRoles
 from beamserve.router.prompt import PromptHasher
-from beamserve.router.sessions import RedisSessionStore, make_session_store, session_tip
+from beamserve.router.sessions import (
+    OP_TIMEOUT_S,
+    RedisSessionStore,
+    make_session_store,
+    session_tip,
+)
 from beamserve.router.sync import RedisReplicaSync, SyncParams, sync_channel
 from beamserve.router.types import Endpoint, RouteDecision, WorkerLoad
 
@@ -81,6 +86,8 @@ class RuntimeConfig:
     sliding_window: int | None = None  # None: config.json of `tokenizer`, else Beam's 512
     hash_scheme: str = DEFAULT_GEOMETRY.hash_scheme
     redis_url: str | None = None
+    # Budget of one Redis operation, event-loop lag included (`RedisSessionStore.op_timeout_s`).
+    redis_op_timeout_s: float = OP_TIMEOUT_S
     # Replica sync (`beamserve.router.sync`): on when the session store is Redis.
     replica_sync: bool = True
     sync_channel: str | None = None  # None: from the session store's key prefix
@@ -137,7 +144,7 @@ class RouterRuntime:
             self._spill_target if self._spill_rule is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
-        self.sessions = make_session_store(c.redis_url)
+        self.sessions = make_session_store(c.redis_url, op_timeout_s=c.redis_op_timeout_s)
         self.facts = FactsBook(geometry)
         # A `kv_both` pool's roles by load (`beamserve.router.policy.pool_roles`; None: fixed).
         roles = disagg.params.pool_roles

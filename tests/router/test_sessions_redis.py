@@ -308,3 +308,27 @@ def test_server_fixture_restarts_on_the_same_port(redis_server: Any) -> None:
     assert redis_server.port == port and _rs.ping(port)
     redis_server.stop()
     assert not redis_server.running and not _rs.ping(port)
+
+
+def test_the_operation_budget_is_a_router_flag(redis_server: RedisServer) -> None:
+    """`--redis-op-timeout-s` reaches the runtime's store; a budget that is no budget is refused
+    by name."""
+    import pytest
+    from beamserve.router.cli import runtime_config
+    from beamserve.router.discovery import StaticDiscovery
+    from beamserve.router.server import RouterRuntime
+
+    from beamserve.cli import build_parser
+
+    argv = ["router", "--endpoints", "[]", "--redis", redis_server.url]
+
+    def store_of(*extra: str) -> Any:
+        config = runtime_config(build_parser().parse_args([*argv, *extra]))
+        return RouterRuntime(StaticDiscovery([]), config).sessions
+
+    wide, default = store_of("--redis-op-timeout-s", "1.5"), store_of()
+    assert isinstance(wide, RedisSessionStore) and wide.op_timeout_s == 1.5
+    assert isinstance(default, RedisSessionStore) and default.op_timeout_s == OP_TIMEOUT
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, "--redis-op-timeout-s", bad])
