@@ -524,7 +524,8 @@ class Router:
         rreq, f = d.request, d.flight
         if f is None or rreq.token_ids is None:
             return
-        if not wants_pieces(rule, rreq.band, decision.prefill is not None, f.prefill_tokens):
+        split = decision.prefill is not None
+        if not wants_pieces(rule, rreq.band, split, f.prefill_tokens, spilled=d.spilled):
             return
         ids = rreq.token_ids()
         cuts = piece_cuts(len(ids), f.prefill_tokens, rule.piece_tokens, self.hasher.block_size)

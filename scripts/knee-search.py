@@ -310,12 +310,13 @@ class Disaggregated(Strategy):
         sjf_window: float | None = None,
         spill: tuple[float, int, float] | None = None,
         pieces: tuple[int, int] | None = None,
+        spill_pieces: int = 0,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.split_continuing, self.sticky = split_continuing, sticky
         self.free, self.pace_hold, self.sjf_window = free, pace_hold, sjf_window
-        self.spill, self.pieces = spill, pieces
+        self.spill, self.pieces, self.spill_pieces = spill, pieces, spill_pieces
         self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
@@ -423,6 +424,10 @@ class Disaggregated(Strategy):
                 send_in_pieces(h, worker, rec, rec.prompt - new, self.pieces[0])
             else:
                 h.submit(worker, rec, rec.req)
+            return
+        if id(rec) in self.spilled and self.spill_pieces:
+            # `spill_pieces` P: a spilled first turn is prefilled a piece of P tokens at a time
+            send_in_pieces(h, worker, rec, 0, self.spill_pieces)
             return
         if rec.prompt < self.local_below or id(rec) in self.spilled:
             if self.free == "small-first" and id(rec) not in self.spilled:
@@ -559,6 +564,23 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
         out["pd-2p2d-pieces-1k-4k"] = lambda: Disaggregated(
             "pd-2p2d-pieces-1k-4k", ws[:2], ws[2:], pieces=(1024, 4096), **built
         )
+        both: dict[str, Any] = {**built, "pieces": (1024, 4096)}
+        for after, most, margin, sp in (
+            (1.0, 49152, 0.5, 0),
+            (0.3, 49152, 0.5, 0),
+            (0.3, 98304, 0.0, 0),
+            (0.3, 49152, 0.5, 1024),
+            (0.3, 98304, 0.0, 1024),
+            (0.0, 10**9, 0.0, 1024),
+            (1.0, 10**9, 0.0, 1024),
+            (2.0, 10**9, 0.0, 1024),
+        ):
+            tag = f"pd-2p2d-pieces-spill-{after}-{most // 1024}k-{margin}-p{sp}"
+            out[tag] = lambda tag=tag, after=after, most=most, margin=margin, sp=sp: (
+                Disaggregated(
+                    tag, ws[:2], ws[2:], spill=(after, most, margin), spill_pieces=sp, **both
+                )
+            )
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
             "pd-2p2d-spill-no-bound", ws[:2], ws[2:], spill=(0.0, 10**9, 0.0), **built
         )

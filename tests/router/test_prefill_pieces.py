@@ -58,6 +58,9 @@ def test_only_long_continuing_turns_prefilled_on_their_worker_get_pieces() -> No
     assert not wants_pieces(rule, "continuing", False, 4095)
     assert not wants_pieces(rule, "continuing", True, 50_000)  # split: the prefill worker's
     assert not wants_pieces(rule, "new", False, 50_000)
+    # a first turn the prefill stage spilled to its decode worker is prefilled there in pieces
+    assert wants_pieces(rule, "new", False, 50_000, spilled=True)
+    assert not wants_pieces(rule, "new", False, 4095, spilled=True)
 
 
 def test_config_is_off_by_default_and_checked() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.flow import FlowConfig, FlowConfigError
@@ -157,18 +159,22 @@ LONG = "line of output " * 2500
 URL = "/v1/chat/completions"
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
-    spawn_worker: SpawnWorker,
+    spawn_worker: SpawnWorker, pieces: bool
 ) -> None:
     """Session a's long first prompt goes to the prefill worker; b's, arriving while that
     prefill runs (the stage closed: a gate of 1 token), spills to the decode worker and is
-    prefilled there; both answers arrive and nothing stays booked."""
+    prefilled there — with the prefill in pieces on, a piece at a time (a's, split, never);
+    both answers arrive and nothing stays booked."""
     p = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--role", "prefill")
     d = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--role", "decode")
     eps = parse_endpoint_specs(
         [{"url": p.url, "role": "prefill"}, {"url": d.url, "role": "decode"}]
     )
     flow: dict[str, Any] = {"prefill_gate_tokens": 1, "prefill_spill_after_s": 0.0}
+    if pieces:
+        flow |= {"prefill_piece_min_tokens": 2048, "prefill_piece_tokens": 1024}
     rt = RouterRuntime(
         StaticDiscovery(eps),
         RuntimeConfig(
@@ -199,6 +205,12 @@ def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_prefill_spills_total") == 1
             assert metric(text, "beamserve_router_disaggregated_total") == 1
+            # b's prompt (≈ 10K tokens) in 1,024-token pieces: several, all found cached
+            sent = metric(text, "beamserve_router_prefill_pieces_total")
+            assert (sent >= 5) if pieces else (sent == 0), sent
+            done = metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}')
+            assert done == (1 if pieces else 0)
+            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
             nothing_booked(rt, *(e.id for e in eps))
 
     asyncio.run(main())
