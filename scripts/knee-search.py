@@ -576,10 +576,8 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             (2.0, 10**9, 0.0, 1024),
         ):
             tag = f"pd-2p2d-pieces-spill-{after}-{most // 1024}k-{margin}-p{sp}"
-            out[tag] = lambda tag=tag, after=after, most=most, margin=margin, sp=sp: (
-                Disaggregated(
-                    tag, ws[:2], ws[2:], spill=(after, most, margin), spill_pieces=sp, **both
-                )
+            out[tag] = lambda tag=tag, after=after, most=most, margin=margin, sp=sp: Disaggregated(
+                tag, ws[:2], ws[2:], spill=(after, most, margin), spill_pieces=sp, **both
             )
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
             "pd-2p2d-spill-no-bound", ws[:2], ws[2:], spill=(0.0, 10**9, 0.0), **built

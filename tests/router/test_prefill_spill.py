@@ -9,7 +9,6 @@ import asyncio
 from typing import Any
 
 import pytest
-
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.flow import FlowConfig, FlowConfigError
