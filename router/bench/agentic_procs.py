@@ -425,16 +425,20 @@ _PD_SPLIT = ("--disaggregation", json.dumps(_SPLIT_RULE))
 PD_RULE_FIRST_TURNS = (*_PD_SPLIT, "--flow", json.dumps(_FIRST_TURNS_FLOW))
 
 
-def pd_rule_adaptive(split_at: float, spill_after_s: float | None = None) -> tuple[str, ...]:
+def pd_rule_adaptive(
+    split_at: float, spill_after_s: float | None = None, **spill: Any
+) -> tuple[str, ...]:
     """`beamserve-adaptive`: `beamserve-2p2d`'s rules over a `kv_both` pool of the same 4
     workers whose roles follow the load (`beamserve.router.policy.pool_roles`): colocated below
     `split_at` active sessions a worker, 2 prefill + 2 decode from there (colocated again after
-    10 s under ⅔ of it). `spill_after_s`: and the prefill stage's spill after that long."""
+    10 s under ⅔ of it). `spill_after_s`: and the prefill stage's spill after that long, with
+    `spill`'s other `prefill_spill_*` keys (`max_tokens=…` → `prefill_spill_max_tokens`)."""
     roles = {"prefill_workers": 2, "split_at_sessions_per_worker": split_at}
     disagg = {**_SPLIT_RULE, "pool_roles": roles}
     flow = dict(_FIRST_TURNS_FLOW)
     if spill_after_s is not None:
         flow["prefill_spill_after_s"] = spill_after_s
+        flow |= {f"prefill_spill_{k}": v for k, v in spill.items()}
     return ("--disaggregation", json.dumps(disagg), "--flow", json.dumps(flow))
 
 
@@ -479,6 +483,15 @@ def _vllm_router_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) ->
             "--worker-startup-check-interval", "1"]  # fmt: skip
 
 
+def _spill_x() -> tuple[str, ...]:
+    import os
+
+    args = list(pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0))
+    flow = json.loads(args[3]) | json.loads(os.environ.get("BS_SPILL_X", "{}"))
+    args[3] = json.dumps(flow)
+    return tuple(args)
+
+
 def _router_specs() -> dict[str, RouterSpec]:
     specs = [
         RouterSpec("beamserve", "beamserve", "sticky-until-saturated", "beamserve",
@@ -498,6 +511,12 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-adaptive-spill", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=pd_rule_adaptive(6.0, spill_after_s=0.3)),
+        RouterSpec("beamserve-adaptive-spill-wide", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0)),
+        RouterSpec("beamserve-adaptive-spill-x", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=_spill_x()),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

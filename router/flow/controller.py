@@ -603,26 +603,45 @@ class FlowController:
         if not item.future.done():
             item.future.set_exception(exc)
 
-    def _next_item(self, now: float) -> _Item | None:
-        """Head of the highest non-empty band: least-attained-service tenant, then oldest."""
+    def _next_item(self, now: float, skip: frozenset[bool] = frozenset()) -> _Item | None:
+        """Head of the highest non-empty band: least-attained-service tenant, then oldest.
+        `skip`: leave out the items whose `_staged` value is in it (their gate is shut)."""
         for band in BANDS:
-            if self._queues[band]:
-                return self._next_in(band, now)
+            if self._queues[band] and (item := self._next_in(band, now, skip)) is not None:
+                return item
         return None
 
-    def _next_in(self, band: Band, now: float) -> _Item | None:
+    def _next_in(self, band: Band, now: float, skip: frozenset[bool] = frozenset()) -> _Item | None:
         """The item of `band` that goes first (None: none queued): the least-attained-service
-        tenant's oldest item, or in a congested band (`_lifo`) its newest."""
+        tenant's oldest item, or in a congested band (`_lifo`) its newest; with `skip`, among
+        the items whose `_staged` value is not in it."""
         tenants = self._queues[band]
+        gating = band != "continuing" and self._stage_gating()
+        if skip:
+            tenants = {
+                t: kept
+                for t, q in tenants.items()
+                if (kept := deque(it for it in q if self._staged(it, gating) not in skip))
+            }
         if not tenants:
             return None
-        if band != "continuing" and self._stage_gating():
-            return self._shortest(band, now)
+        if gating:
+            return self._shortest([it for q in tenants.values() for it in q], band, now)
         if self._lifo(band, now):
             tenant = min(tenants, key=lambda t: (self._service.value(t, now), -tenants[t][-1].seq))
             return tenants[tenant][-1]
         tenant = min(tenants, key=lambda t: (self._service.value(t, now), tenants[t][0].seq))
         return tenants[tenant][0]
+
+    def _staged(self, item: _Item, gating: bool | None = None) -> bool:
+        """Is `item` gated by the prefill stage alone: below ``continuing``, at least the
+        stage's `min_tokens`, with the stage gating (module docstring, "The prefill stage";
+        `gating`: `_stage_gating()` when the caller has it already)."""
+        if item.band == "continuing" or self.prefill_stage is None:
+            return False
+        if item.cost < self.prefill_stage.min_tokens:
+            return False
+        return self._stage_gating() if gating is None else gating
 
     def _stage_gating(self) -> bool:
         """A prefill stage is set, has workers, and the gate is on."""
@@ -631,11 +650,11 @@ class FlowController:
             return False
         return bool(stage.loads())
 
-    def _shortest(self, band: Band, now: float) -> _Item:
-        """Shortest first (module docstring, "The prefill stage"): items that waited
-        `lifo_max_wait_s` (or half the TTL) first, oldest first; then the cheapest of those
-        that waited less than `prefill_sjf_window_s`, oldest among equals; then the oldest."""
-        items = [it for q in self._queues[band].values() for it in q]
+    def _shortest(self, items: list[_Item], band: Band, now: float) -> _Item:
+        """Shortest first among `items` of `band` (module docstring, "The prefill stage"):
+        items that waited `lifo_max_wait_s` (or half the TTL) first, oldest first; then the
+        cheapest of those that waited less than `prefill_sjf_window_s`, oldest among equals;
+        then the oldest."""
         rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
         overdue = [it for it in items if now - it.enqueued_at >= rescue]
         if overdue:
@@ -733,20 +752,21 @@ class FlowController:
         admitted = getattr(self.saturation, "admitted", None)
         peers_busy = self.peers_busy
         held = self.config.hold_continuing
-        while (item := self._next_item(now)) is not None:
+        # Two gates, two kinds of item: a staged item waits only for the prefill stage, any
+        # other for the saturation gate and the pool's pace. One shut gate stops its own kind
+        # (`skip`), not the other: a small first turn held for the decode workers' room must
+        # not keep the prefill workers idle, nor a long one held for them the decode workers.
+        skip: frozenset[bool] = frozenset()
+        while (item := self._next_item(now, skip)) is not None:
             if item.future.cancelled():  # caller gone; its handler has not run yet
                 self._drop(item, _CANCELLED)
                 self._cancelled[item.band] += 1
                 continue
-            staged = (
-                item.band != "continuing"
-                and self.prefill_stage is not None
-                and item.cost >= self.prefill_stage.min_tokens
-                and self._stage_gating()
-            )
+            staged = self._staged(item)
             if staged and not self._stage_open():
                 self._spill_held(item.band, now)
-                break  # the prefill workers are busy: shortest first when one has room
+                skip |= {True}  # the prefill workers are busy: shortest first when one has room
+                continue
             if item.band == "continuing" and not held:
                 pass  # never held by the gate (module docstring, "Saturation gate")
             elif staged:
@@ -754,13 +774,16 @@ class FlowController:
             elif saturated:
                 busy = bool(self._in_flight) or (peers_busy is not None and peers_busy())
                 if levelled and item.band != "continuing" and busy:
-                    break
+                    skip |= {False}
+                    continue
                 if item.cost <= self._room or (self._room > 0 and not busy):
                     self._room = max(self._room - item.cost, 0)
                 elif not self._borrow(item.cost):
-                    break
+                    skip |= {False}
+                    continue
             elif admits is not None and not admits(item.cost):
-                break  # the backlog goes at the pool's pace: next snapshot or release
+                skip |= {False}  # the backlog goes at the pool's pace: next snapshot or release
+                continue
             elif (
                 admits is not None
                 and item.band != "continuing"
@@ -768,7 +791,8 @@ class FlowController:
                 and (ahead := self.older_peers(item.band, item.enqueued_at))
                 and not admits(item.cost * (ahead + 1), exempt_first=False)
             ):
-                break  # older sessions queued at peers go first (module docstring)
+                skip |= {False}  # older sessions queued at peers go first (module docstring)
+                continue
             self._dispatch(item, now)
             if staged and item.ticket is not None:
                 self._unrouted[item.ticket] = item.cost
