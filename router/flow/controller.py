@@ -99,7 +99,12 @@ room. Contract:
   `pd-2p2d-legbooks-window-2` against `pd-2p2d-legbooks-cont-pace-hold-1024-1.5`; over HTTP
   docs/bench/agentic.md, "The pace hold, and late first turns oldest first"). The stage is
   such an item's only gate: the saturation gate and the pool's pace (below) watch the decode
-  workers, where its prefill does not run.
+  workers, where its prefill does not run. The two gates hold only their own kind: while the
+  stage is closed the band's other items still pass the saturation gate if it lets them, and
+  while that gate holds a short (local) first turn — shortest first often puts one at the
+  head — the items behind it still go to a prefill worker with room. (Before, whichever item
+  headed the band stopped every item behind it: over HTTP at 128 agents split first turns
+  waited 29 s in the router at the median, local ones 2 s.)
   **The spill** (`prefill_spill_after_s`, off by default; `prefill_spill_max_tokens` 49,152,
   `prefill_spill_margin_s` 0.5 s): while the stage is closed, an item held there that long
   or longer may instead be prefilled on a decode worker, the session's worker from then on,

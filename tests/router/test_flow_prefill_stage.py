@@ -111,8 +111,7 @@ def test_split_prompts_pass_the_saturation_gate_when_the_stage_has_room() -> Non
 def test_a_local_prompt_held_for_the_decode_workers_does_not_hold_the_stage() -> None:
     """Shortest first puts a short (local) first turn at the head; held by the saturation
     gate, it must not keep a split one behind it from a prefill worker that has room (the
-    stage is that one's only gate): over HTTP at 128 agents the prefill workers sat ~25 %
-    idle while split first turns waited 29 s (median) behind such heads."""
+    stage is that one's only gate)."""
 
     async def main() -> None:
         pool = Pool(50000, 50000)
