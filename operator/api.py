@@ -405,7 +405,12 @@ class FlowControlSpec(_Model):
     within this."""
     prefill_spill_margin_seconds: Annotated[float, Field(ge=0)] = 0.5
     """… and while each user streaming from it keeps this much slack beyond that prefill, at
-    paceHoldUserTokensPerSecond (prefill priced at paceHoldPrefillTokensPerSecond)."""
+    paceHoldUserTokensPerSecond (prefill priced at prefillSpillTokensPerSecond)."""
+    prefill_spill_tokens_per_second: Annotated[float, Field(gt=0)] | None = None
+    """The rate a spilled prefill is priced at against those users' slack; null:
+    paceHoldPrefillTokensPerSecond. With the prefill in pieces on, a spilled prompt is
+    prefilled a piece at a time beside memory-bound decode steps, which costs the users less
+    than a whole prefill would (docs/policies.md, "The prefill in pieces")."""
     prefill_piece_min_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker, is
     prefilled in pieces: the router first sends its prompt's growing prefixes

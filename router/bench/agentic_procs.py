@@ -483,11 +483,11 @@ def _vllm_router_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) ->
             "--worker-startup-check-interval", "1"]  # fmt: skip
 
 
-def _spill_x() -> tuple[str, ...]:
+def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
     import os
 
     args = list(pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0))
-    flow = json.loads(args[3]) | json.loads(os.environ.get("BS_SPILL_X", "{}"))
+    flow = json.loads(args[3]) | json.loads(os.environ.get(var, "{}"))
     args[3] = json.dumps(flow)
     return tuple(args)
 
@@ -517,6 +517,9 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-adaptive-spill-x", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=_spill_x()),
+        RouterSpec("beamserve-adaptive-spill-y", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=_spill_x("BS_SPILL_Y")),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

@@ -221,6 +221,7 @@ class FlowConfig(BaseModel):
     |  |  | on a decode worker with room for it (module docstring) |
     | `prefill_spill_max_tokens` | ``49152`` | … whose queued prefill, with it, stays within this |
     | `prefill_spill_margin_s` | ``0.5`` | … and whose users keep this slack beyond that prefill |
+    | `prefill_spill_tok_s` | ``null`` | … priced at this rate (null: `pace_hold_prefill_tok_s`) |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
@@ -246,6 +247,7 @@ class FlowConfig(BaseModel):
     prefill_spill_after_s: float | None = Field(default=None, ge=0)
     prefill_spill_max_tokens: int = Field(default=49152, ge=1)
     prefill_spill_margin_s: float = Field(default=0.5, ge=0)
+    prefill_spill_tok_s: float | None = Field(default=None, gt=0)
     pace_hold_tokens: int | None = Field(default=None, ge=1)
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
@@ -290,7 +292,7 @@ class FlowConfig(BaseModel):
             self.prefill_spill_max_tokens,
             self.prefill_spill_margin_s,
             self.pace_hold_user_tok_s,
-            self.pace_hold_prefill_tok_s,
+            self.prefill_spill_tok_s or self.pace_hold_prefill_tok_s,
         )
 
     def band_limit(self, band: Band) -> int:

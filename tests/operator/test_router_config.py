@@ -86,6 +86,13 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lifo))["flow"])
     assert (flow.lifo_after_s, flow.lifo_max_wait_s) == (None, 20)
     assert FlowConfig.from_mapping(flags["flow"]).lifo_after_s == 2.0  # the default
+    spill = {
+        **CONFIG,
+        "flowControl": {"prefillSpillAfterSeconds": 0.3, "prefillSpillTokensPerSecond": 90000},
+    }
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spill))["flow"])
+    rule = flow.prefill_spill()
+    assert rule is not None and (rule.after_s, rule.prefill_tok_s) == (0.3, 90000)
     build_policy(flags["policy"])
 
 

@@ -144,6 +144,11 @@ def test_config_is_off_by_default_and_checked() -> None:
     assert FlowConfig().prefill_spill() is None
     rule = FlowConfig.from_mapping({"prefill_spill_after_s": 1.0}).prefill_spill()
     assert rule is not None and (rule.after_s, rule.max_tokens, rule.margin_s) == (1.0, 49152, 0.5)
+    assert rule.prefill_tok_s == FlowConfig().pace_hold_prefill_tok_s  # the pace hold's price
+    priced = FlowConfig.from_mapping({"prefill_spill_after_s": 1.0, "prefill_spill_tok_s": 9e4})
+    assert (rule := priced.prefill_spill()) is not None and rule.prefill_tok_s == 9e4
+    with pytest.raises(FlowConfigError, match="prefill_spill_tok_s"):
+        FlowConfig.from_mapping({"prefill_spill_tok_s": 0})
     try:
         FlowConfig.from_mapping({"prefill_spill_max_tokens": 0})
     except FlowConfigError as e:
