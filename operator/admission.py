@@ -876,6 +876,15 @@ def _pool_roles_problems(spec: BeamDeploymentSpec) -> list[Violation]:
                 "more, or remove poolRoles",
             )
         ]
+    flow = spec.router.flow_control
+    if roles.spill_at_sessions_per_worker is not None and flow.prefill_spill_after_seconds is None:
+        return [
+            Violation(
+                f"{path}.spillAtSessionsPerWorker",
+                "gates the prefill stage's spill, which is off; set "
+                "router.flowControl.prefillSpillAfterSeconds, or remove it",
+            )
+        ]
     return []
 
 

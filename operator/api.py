@@ -340,6 +340,10 @@ class PoolRolesSpec(_Model):
     must not exceed splitAtSessionsPerWorker."""
     settle_seconds: Annotated[float, Field(ge=0)] = 10.0
     """How long the pool stays under that line before it does."""
+    spill_at_sessions_per_worker: Annotated[float, Field(gt=0)] | None = None
+    """Split, the prefill stage spills (flowControl.prefillSpillAfterSeconds) only from this
+    many active sessions per worker on; null: whenever split. At least
+    splitAtSessionsPerWorker."""
 
     @model_validator(mode="after")
     def _ordered(self) -> PoolRolesSpec:
@@ -348,6 +352,13 @@ class PoolRolesSpec(_Model):
             raise ValueError(
                 f"colocateBelowSessionsPerWorker {c} exceeds splitAtSessionsPerWorker "
                 f"{self.split_at_sessions_per_worker}; lower it, or the pool would flap"
+            )
+        spill = self.spill_at_sessions_per_worker
+        if spill is not None and spill < self.split_at_sessions_per_worker:
+            raise ValueError(
+                f"spillAtSessionsPerWorker {spill} is below splitAtSessionsPerWorker "
+                f"{self.split_at_sessions_per_worker}; the spill acts only on a split pool — "
+                "raise it, or remove it to spill whenever split"
             )
         return self
 

@@ -77,6 +77,7 @@ def _pool_roles(config: RouterConfig) -> dict[str, Any]:
             "split_at_sessions_per_worker": r.split_at_sessions_per_worker,
             "colocate_below_sessions_per_worker": r.colocate_below_sessions_per_worker,
             "settle_s": r.settle_seconds,
+            "spill_at_sessions_per_worker": r.spill_at_sessions_per_worker,
         }
     }
 

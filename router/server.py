@@ -314,9 +314,12 @@ class RouterRuntime:
         rule = self._spill_rule
         if rule is None:
             return None
+        eps = self.endpoints()  # (first: it updates the pool roles' mode and spill line)
+        if self.pool_roles is not None and not self.pool_roles.spilling:
+            return None
         now = self.loads.clock()
         best: tuple[int, str] | None = None
-        for e in self.endpoints():
+        for e in eps:
             if not (e.can_decode and e.receives_kv) or not self.loads.load(e.id, now).healthy:
                 continue
             queued = self.loads.spill_room(

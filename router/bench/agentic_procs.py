@@ -426,14 +426,17 @@ PD_RULE_FIRST_TURNS = (*_PD_SPLIT, "--flow", json.dumps(_FIRST_TURNS_FLOW))
 
 
 def pd_rule_adaptive(
-    split_at: float, spill_after_s: float | None = None, **spill: Any
+    split_at: float, spill_after_s: float | None = None, spill_at: float | None = None, **spill: Any
 ) -> tuple[str, ...]:
     """`beamserve-adaptive`: `beamserve-2p2d`'s rules over a `kv_both` pool of the same 4
     workers whose roles follow the load (`beamserve.router.policy.pool_roles`): colocated below
     `split_at` active sessions a worker, 2 prefill + 2 decode from there (colocated again after
     10 s under ⅔ of it). `spill_after_s`: and the prefill stage's spill after that long, with
-    `spill`'s other `prefill_spill_*` keys (`max_tokens=…` → `prefill_spill_max_tokens`)."""
-    roles = {"prefill_workers": 2, "split_at_sessions_per_worker": split_at}
+    `spill`'s other `prefill_spill_*` keys (`max_tokens=…` → `prefill_spill_max_tokens`), from
+    `spill_at` active sessions a worker on (None: whenever split)."""
+    roles: dict[str, Any] = {"prefill_workers": 2, "split_at_sessions_per_worker": split_at}
+    if spill_at is not None:
+        roles["spill_at_sessions_per_worker"] = spill_at
     disagg = {**_SPLIT_RULE, "pool_roles": roles}
     flow = dict(_FIRST_TURNS_FLOW)
     if spill_after_s is not None:
@@ -509,6 +512,10 @@ def _router_specs() -> dict[str, RouterSpec]:
                    _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=pd_rule_adaptive(10.0)),
         RouterSpec("beamserve-adaptive-spill", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304,
+                                               margin_s=0.0, tok_s=100000)),
+        RouterSpec("beamserve-adaptive-spill-unpriced", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=pd_rule_adaptive(6.0, spill_after_s=0.3)),
         RouterSpec("beamserve-adaptive-spill-wide", "beamserve", "sticky-until-saturated",

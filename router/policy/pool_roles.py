@@ -37,6 +37,16 @@ and the prefill in pieces (`router/flow/pace_hold.py`, `router/flow/pieces.py`).
 line no worker has more than a few users, who decode far above the 20 tokens/s those rules
 protect, so holding a turn or cutting its prefill into round trips would only add to its TTFT.
 
+Past the knee, a third step: the prefill stage's spill (`FlowConfig.prefill_spill_after_s`: a
+held new session prefilled on a decode worker with room, in pieces) acts only while the pool
+is split and, with `spill_at_sessions_per_worker`, while ``A ≥ spill_at · n`` (checked at each
+look, no hysteresis: it decides where held prompts go, not the roles). Over HTTP (4 sim H200
+workers, docs/bench/agentic.md, "Past the knee") the spill priced for pieces brought the
+throughput at 128 agents from 0.93 to 0.98 × the best gateway's, but at 64 agents it cost the
+split pool goodput (13.44 against 14.84 r/s in one run; 14.97 and 14.03 against 15.70 in
+another, spilling after 5 and 2 s); the line at 24 a worker is between the two (128 agents on 4
+workers are 32 a worker before any session resting between turns, 64 are 16).
+
 A session that started on a worker that is a prefill worker once the pool splits moves on its
 next turn: the policy picks a decode worker, which holds none of its context, so conditional
 disaggregation splits the turn, and the prefill worker it picks (lowest estimated TTFT, the
@@ -57,13 +67,14 @@ moves once more, by the same handoff. The prefill workers are the same on every 
 | `split_at_sessions_per_worker` | ``6.0`` | active sessions a worker that split the pool |
 | `colocate_below_sessions_per_worker` | ``null`` | under this (null: ⅔ of the above)… |
 | `settle_s` | ``10.0`` | …for this long, the pool serves colocated again |
+| `spill_at_sessions_per_worker` | ``null`` | split, the prefill stage spills only from here |
 
 Config example (`beamserve router --disaggregation`)::
 
     disaggregation:
       min_uncached_tokens: 8192
       keep_warm_local: true
-      pool_roles: {prefill_workers: 2}
+      pool_roles: {prefill_workers: 2, spill_at_sessions_per_worker: 24}
 """
 
 from __future__ import annotations
@@ -89,6 +100,8 @@ class PoolRolesParams(PluginParams):
     # None: two thirds of the split line
     colocate_below_sessions_per_worker: float | None = Field(default=None, gt=0.0)
     settle_s: float = Field(default=10.0, ge=0.0)
+    # None: the prefill stage's spill (if configured) whenever split
+    spill_at_sessions_per_worker: float | None = Field(default=None, gt=0.0)
 
     @property
     def colocate_below(self) -> float:
@@ -102,6 +115,13 @@ class PoolRolesParams(PluginParams):
             raise ValueError(
                 "colocate_below_sessions_per_worker must not exceed split_at_sessions_per_worker "
                 f"({c} > {self.split_at_sessions_per_worker}); lower it, or the pool would flap"
+            )
+        spill = self.spill_at_sessions_per_worker
+        if spill is not None and spill < self.split_at_sessions_per_worker:
+            raise ValueError(
+                "spill_at_sessions_per_worker must not be below split_at_sessions_per_worker "
+                f"({spill} < {self.split_at_sessions_per_worker}): the spill acts only on a "
+                "split pool; raise it, or leave it null to spill whenever split"
             )
         return self
 
@@ -182,10 +202,17 @@ class PoolRoles:
         self._source: Sequence[Endpoint] | None = None
         self._swinging = 0
         self._built: tuple[Mode, list[Endpoint]] | None = None
+        self._spilling = False
 
     @property
     def mode(self) -> Mode:
         return self.switch.mode
+
+    @property
+    def spilling(self) -> bool:
+        """May the prefill stage spill now: split, and (with `spill_at_sessions_per_worker`)
+        at least that many active sessions a swinging worker at the last `apply`."""
+        return self._spilling
 
     def apply(self, endpoints: Sequence[Endpoint], active: int, now: float) -> list[Endpoint]:
         """`endpoints` overlaid for the mode that `active` sessions at `now` give."""
@@ -203,6 +230,8 @@ class PoolRoles:
                     "until then the pool serves colocated",
                 )
         mode = self.switch.observe(active, self._swinging, now)
+        line = self.params.spill_at_sessions_per_worker
+        self._spilling = mode == "split" and (line is None or active >= line * self._swinging)
         built = self._built
         if built is None or built[0] != mode:
             built = self._built = (mode, overlay(endpoints, mode, self.params.prefill_workers))

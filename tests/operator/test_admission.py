@@ -270,6 +270,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "spec.router.disaggregation.poolRoles"),
     ("poolRoles unknown key", S.aggregated(both={"replicas": 4}, router={"disaggregation": {
         "poolRoles": {"prefillWorker": 2}}}), "spec.router.disaggregation.poolRoles.prefillWorker"),
+    ("poolRoles spill line under the split line", S.aggregated(both={"replicas": 4}, router={
+        "disaggregation": {"poolRoles": {"splitAtSessionsPerWorker": 6,
+                                         "spillAtSessionsPerWorker": 4}},
+        "flowControl": {"prefillSpillAfterSeconds": 0.3}}),
+     "spec.router.disaggregation.poolRoles"),
+    ("poolRoles spill line with the spill off", S.aggregated(both={"replicas": 4}, router={
+        "disaggregation": {"poolRoles": {"spillAtSessionsPerWorker": 24}}}),
+     "spec.router.disaggregation.poolRoles.spillAtSessionsPerWorker"),
     # rollout
     ("no rollout progress", S.disagg(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
      "spec.rollout.maxSurge"),
@@ -320,6 +328,9 @@ def test_invalid_spec_names_the_field(spec: dict[str, Any], path: str) -> None:
         S.disagg(monitoring={"interval": "1m30s"}),
         S.aggregated(both={"replicas": 4}, router={"disaggregation": {"poolRoles": {
             "prefillWorkers": 2, "splitAtSessionsPerWorker": 3}}}),
+        S.aggregated(both={"replicas": 4}, router={
+            "disaggregation": {"poolRoles": {"prefillWorkers": 2, "spillAtSessionsPerWorker": 24}},
+            "flowControl": {"prefillSpillAfterSeconds": 0.3, "prefillSpillTokensPerSecond": 1e5}}),
         S.aggregated(engine={"name": "sim", "image": D, "api": "vllm"}, both={"replicas": 2,
             "tp": 1}, router={"disaggregation": {"poolRoles": {}}}),
         S.disagg(decode={"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},

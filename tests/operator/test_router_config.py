@@ -93,6 +93,10 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spill))["flow"])
     rule = flow.prefill_spill()
     assert rule is not None and (rule.after_s, rule.prefill_tok_s) == (0.3, 90000)
+    lined = {**CONFIG, "disaggregation": {"poolRoles": {"spillAtSessionsPerWorker": 24}}}
+    disagg = router_flags(RouterConfig.model_validate(lined))["disaggregation"]
+    roles = ConditionalDisaggregation.from_params(disagg).params.pool_roles
+    assert roles is not None and roles.spill_at_sessions_per_worker == 24
     build_policy(flags["policy"])
 
 

@@ -136,6 +136,64 @@ def test_params_are_checked_and_name_the_field() -> None:
     with pytest.raises(PolicyConfigError, match=r"pool_roles\.prefill_workers"):
         ConditionalDisaggregation.from_params({"pool_roles": {"prefill_workers": 0}})
     assert ConditionalDisaggregation.from_params({}).params.pool_roles is None
+    with pytest.raises(PolicyConfigError, match="spill_at_sessions_per_worker"):
+        ConditionalDisaggregation.from_params(
+            {"pool_roles": {"split_at_sessions_per_worker": 6, "spill_at_sessions_per_worker": 5}}
+        )
+
+
+def test_the_spill_acts_only_when_split_and_past_its_line() -> None:
+    """`spilling` (what the router's spill target asks): never colocated; split, only from
+    `spill_at_sessions_per_worker` active sessions a worker (null: whenever split)."""
+    lined = PoolRoles(
+        PoolRolesParams(split_at_sessions_per_worker=2, spill_at_sessions_per_worker=4)
+    )
+    plain = PoolRoles(PoolRolesParams(split_at_sessions_per_worker=2))
+    eps = swinging(4)
+    for active, mode, lined_spills, plain_spills in (
+        (0, "colocated", False, False),
+        (7, "colocated", False, False),
+        (8, "split", False, True),
+        (15, "split", False, True),
+        (16, "split", True, True),
+        (9, "split", False, True),  # under the spill line again: no hysteresis there
+    ):
+        lined.apply(eps, active, 0.0)
+        plain.apply(eps, active, 0.0)
+        assert (lined.mode, lined.spilling) == (mode, lined_spills), active
+        assert (plain.mode, plain.spilling) == (mode, plain_spills), active
+
+
+def test_the_router_spills_only_where_the_pool_roles_let_it() -> None:
+    """`RouterRuntime._spill_target` (the prefill stage's spill) answers None while the pool
+    is colocated or under the spill line, and a decode worker once past it."""
+    specs = [
+        {"url": f"http://127.0.0.1:{9 + i}", "role": "both", "labels": dict(KV_BOTH)}
+        for i in range(4)
+    ]
+    eps = parse_endpoint_specs(specs)
+    disagg = {
+        "pool_roles": {
+            "prefill_workers": 2,
+            "split_at_sessions_per_worker": 1,
+            "spill_at_sessions_per_worker": 3,
+        }
+    }
+    rt = RouterRuntime(
+        StaticDiscovery(eps),
+        RuntimeConfig(disaggregation=disagg, flow={"prefill_spill_after_s": 0.0}),
+    )
+    rt._discovered = [
+        Endpoint(e.id, e.url, role=e.role, labels=e.labels, api="vllm", kv_send=True,
+                 kv_receive=True)
+        for e in eps
+    ]  # fmt: skip
+    rt.facts.endpoints = lambda found: list(found)  # type: ignore[method-assign] (as reported)
+    count = [0]
+    rt.loads.active_sessions = lambda own, now: count[0]  # type: ignore[method-assign]
+    for active, spills in ((0, False), (4, False), (12, True)):
+        count[0] = active  # the sessions the router's books would show
+        assert (rt._spill_target(1000, {}) is not None) == spills, active
 
 
 def test_apply_rebuilds_only_on_a_change() -> None:
