@@ -38,12 +38,13 @@ line no worker has more than a few users, who decode far above the 20 tokens/s t
 protect, so holding a turn or cutting its prefill into round trips would only add to its TTFT.
 
 Past the knee, a third step: the prefill stage's spill (`FlowConfig.prefill_spill_after_s`: a
-held new session prefilled on a decode worker with room, in pieces) acts only while the pool
-is split and, with `spill_at_sessions_per_worker`, while ``A ≥ spill_at · n`` (checked at each
-look, no hysteresis: it decides where held prompts go, not the roles). Over HTTP (4 sim H200
-workers, docs/bench/agentic.md, "Past the knee") the spill priced for pieces brought the
-throughput at 128 agents from 0.93 to 0.98 × the best gateway's, but at 64 agents it cost the
-split pool goodput (13.44 against 14.84 r/s in one run; 14.97 and 14.03 against 15.70 in
+held new session prefilled on a decode worker with room, in pieces) acts only while the pool is
+split and, with `spill_at_sessions_per_worker`, from ``A ≥ spill_at · n`` on until ``A <
+spill_at · n / 2`` (or the pool colocates): the end of a burst, when fewer sessions are left and
+the prefill workers still hold the late first turns, is where the spill pays most. Over HTTP (4
+sim H200 workers, docs/bench/agentic.md, "Past the knee") the spill priced for pieces brought
+the throughput at 128 agents from 0.93 to 0.98 × the best gateway's, but at 64 agents it cost
+the split pool goodput (13.44 against 14.84 r/s in one run; 14.97 and 14.03 against 15.70 in
 another, spilling after 5 and 2 s); the line at 24 a worker is between the two (128 agents on 4
 workers are 32 a worker before any session resting between turns, 64 are 16).
 
@@ -211,7 +212,8 @@ class PoolRoles:
     @property
     def spilling(self) -> bool:
         """May the prefill stage spill now: split, and (with `spill_at_sessions_per_worker`)
-        at least that many active sessions a swinging worker at the last `apply`."""
+        since the last `apply` that saw that many active sessions a swinging worker, none
+        has seen fewer than half as many."""
         return self._spilling
 
     def apply(self, endpoints: Sequence[Endpoint], active: int, now: float) -> list[Endpoint]:
@@ -231,7 +233,12 @@ class PoolRoles:
                 )
         mode = self.switch.observe(active, self._swinging, now)
         line = self.params.spill_at_sessions_per_worker
-        self._spilling = mode == "split" and (line is None or active >= line * self._swinging)
+        if mode != "split":
+            self._spilling = False
+        elif line is None or active >= line * self._swinging:
+            self._spilling = True
+        elif active < line / 2 * self._swinging:  # (half the line: the run's tail spills on)
+            self._spilling = False
         built = self._built
         if built is None or built[0] != mode:
             built = self._built = (mode, overlay(endpoints, mode, self.params.prefill_workers))

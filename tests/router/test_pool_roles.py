@@ -143,8 +143,9 @@ def test_params_are_checked_and_name_the_field() -> None:
 
 
 def test_the_spill_acts_only_when_split_and_past_its_line() -> None:
-    """`spilling` (what the router's spill target asks): never colocated; split, only from
-    `spill_at_sessions_per_worker` active sessions a worker (null: whenever split)."""
+    """`spilling` (what the router's spill target asks): never colocated; split, from
+    `spill_at_sessions_per_worker` active sessions a worker until under half of that (null:
+    whenever split)."""
     lined = PoolRoles(
         PoolRolesParams(split_at_sessions_per_worker=2, spill_at_sessions_per_worker=4)
     )
@@ -156,7 +157,10 @@ def test_the_spill_acts_only_when_split_and_past_its_line() -> None:
         (8, "split", False, True),
         (15, "split", False, True),
         (16, "split", True, True),
-        (9, "split", False, True),  # under the spill line again: no hysteresis there
+        (9, "split", True, True),  # under the spill line again: on until under half of it
+        (8, "split", True, True),
+        (7, "split", False, True),
+        (9, "split", False, True),
     ):
         lined.apply(eps, active, 0.0)
         plain.apply(eps, active, 0.0)
