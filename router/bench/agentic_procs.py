@@ -487,8 +487,8 @@ def _vllm_router_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) ->
 
 
 def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
-    import os
-
+    """`beamserve-adaptive-spill-wide`'s argv with the JSON in `var` merged into its `--flow`
+    (the bench's `-spill-x` / `-spill-y` experiment routers)."""
     args = list(pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0))
     flow = json.loads(args[3]) | json.loads(os.environ.get(var, "{}"))
     args[3] = json.dumps(flow)

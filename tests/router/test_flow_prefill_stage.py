@@ -87,6 +87,19 @@ def test_short_prompts_and_continuing_turns_pass_a_busy_stage() -> None:
     asyncio.run(main())
 
 
+async def split_went_local_waits(
+    split: asyncio.Future[Ticket], blocker: Ticket, local: asyncio.Future[Ticket]
+) -> None:
+    """The split prompt went and the local one waits; once the split one and the blocker are
+    released, the room they free lets the local one through."""
+    assert split.done() and not local.done()
+    split.result().release()
+    blocker.release()
+    await settle()
+    assert local.done()  # room freed by the releases
+    local.result().release()
+
+
 def test_split_prompts_pass_the_saturation_gate_when_the_stage_has_room() -> None:
     """With the pool saturated, a new session's prompt the P/D rule splits goes as soon as a
     prefill worker has room (its prefill does not run on the saturated decode workers), while
@@ -98,12 +111,7 @@ def test_split_prompts_pass_the_saturation_gate_when_the_stage_has_room() -> Non
         split = asyncio.ensure_future(c.admit("new", "s1", 30000))
         local = asyncio.ensure_future(c.admit("new", "s2", 1000))
         await settle()
-        assert split.done() and not local.done()
-        split.result().release()
-        blocker.release()
-        await settle()
-        assert local.done()  # room freed by the releases
-        local.result().release()
+        await split_went_local_waits(split, blocker, local)
 
     asyncio.run(main())
 
@@ -124,12 +132,7 @@ def test_a_local_prompt_held_for_the_decode_workers_does_not_hold_the_stage() ->
         pool.tokens[0] = 0  # a prefill worker has room; the decode workers still have none
         c.poll()
         await settle()
-        assert split.done() and not local.done()
-        split.result().release()
-        blocker.release()
-        await settle()
-        assert local.done()  # room freed by the releases
-        local.result().release()
+        await split_went_local_waits(split, blocker, local)
         assert c.stats().in_flight == 0
 
     asyncio.run(main())
