@@ -344,6 +344,10 @@ class PoolRolesSpec(_Model):
     """Split, the prefill stage spills (flowControl.prefillSpillAfterSeconds) only from this
     many active sessions per worker on; null: whenever split. At least
     splitAtSessionsPerWorker."""
+    spill_stop_below_sessions_per_worker: Annotated[float, Field(ge=0)] | None = None
+    """Once spilling, the stage spills on until the active sessions per worker fall under
+    this (0: until the pool serves colocated again); null: half of spillAtSessionsPerWorker.
+    Needs spillAtSessionsPerWorker and must not exceed it."""
 
     @model_validator(mode="after")
     def _ordered(self) -> PoolRolesSpec:
@@ -359,6 +363,12 @@ class PoolRolesSpec(_Model):
                 f"spillAtSessionsPerWorker {spill} is below splitAtSessionsPerWorker "
                 f"{self.split_at_sessions_per_worker}; the spill acts only on a split pool — "
                 "raise it, or remove it to spill whenever split"
+            )
+        stop = self.spill_stop_below_sessions_per_worker
+        if stop is not None and (spill is None or stop > spill):
+            raise ValueError(
+                f"spillStopBelowSessionsPerWorker {stop} needs a spillAtSessionsPerWorker at or "
+                f"above it (now {spill}); set that line, or remove spillStopBelowSessionsPerWorker"
             )
         return self
 
@@ -422,6 +432,10 @@ class FlowControlSpec(_Model):
     paceHoldPrefillTokensPerSecond. With the prefill in pieces on, a spilled prompt is
     prefilled a piece at a time beside memory-bound decode steps, which costs the users less
     than a whole prefill would (docs/policies.md, "The prefill in pieces")."""
+    prefill_spill_user_tokens_per_second: Annotated[float, Field(gt=0)] | None = None
+    """The decoding speed per user the spill keeps (its users' slack is reckoned at it); null:
+    paceHoldUserTokensPerSecond. Lower lets a saturated pool's decode workers take more of the
+    new sessions' prefill at their users' expense."""
     prefill_piece_min_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker, is
     prefilled in pieces: the router first sends its prompt's growing prefixes

@@ -78,6 +78,7 @@ def _pool_roles(config: RouterConfig) -> dict[str, Any]:
             "colocate_below_sessions_per_worker": r.colocate_below_sessions_per_worker,
             "settle_s": r.settle_seconds,
             "spill_at_sessions_per_worker": r.spill_at_sessions_per_worker,
+            "spill_stop_below_sessions_per_worker": r.spill_stop_below_sessions_per_worker,
         }
     }
 
@@ -109,6 +110,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_spill_max_tokens": config.flow_control.prefill_spill_max_tokens,
             "prefill_spill_margin_s": config.flow_control.prefill_spill_margin_seconds,
             "prefill_spill_tok_s": config.flow_control.prefill_spill_tokens_per_second,
+            "prefill_spill_user_tok_s": config.flow_control.prefill_spill_user_tokens_per_second,
             "prefill_piece_min_tokens": config.flow_control.prefill_piece_min_tokens,
             "prefill_piece_tokens": config.flow_control.prefill_piece_tokens,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,

@@ -495,6 +495,22 @@ def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
     return tuple(args)
 
 
+_SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000)
+
+
+def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
+    """`beamserve-adaptive-spill`'s argv with the JSON in `var` (``{"flow": {...},
+    "pool_roles": {...}}``) merged into its `--flow` and its disaggregation's `pool_roles` (the
+    bench's `-spill-z` / `-spill-w` experiment routers)."""
+    z = json.loads(os.environ.get(var, "{}"))
+    args = list(_SHIPPED_SPILL)
+    disagg = json.loads(args[1])
+    disagg["pool_roles"] |= z.get("pool_roles", {})
+    args[1] = json.dumps(disagg)
+    args[3] = json.dumps(json.loads(args[3]) | z.get("flow", {}))
+    return tuple(args)
+
+
 def _router_specs() -> dict[str, RouterSpec]:
     specs = [
         RouterSpec("beamserve", "beamserve", "sticky-until-saturated", "beamserve",
@@ -513,8 +529,7 @@ def _router_specs() -> dict[str, RouterSpec]:
                    extra_args=pd_rule_adaptive(10.0)),
         RouterSpec("beamserve-adaptive-spill", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304,
-                                               margin_s=0.0, tok_s=100000)),
+                   extra_args=_SHIPPED_SPILL),
         RouterSpec("beamserve-adaptive-spill-unpriced", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=pd_rule_adaptive(6.0, spill_after_s=0.3)),
@@ -527,6 +542,12 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-adaptive-spill-y", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
                    extra_args=_spill_x("BS_SPILL_Y")),
+        RouterSpec("beamserve-adaptive-spill-z", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=_spill_z()),
+        RouterSpec("beamserve-adaptive-spill-w", "beamserve", "sticky-until-saturated",
+                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
+                   extra_args=_spill_z("BS_SPILL_W")),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

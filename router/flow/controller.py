@@ -119,9 +119,13 @@ room. Contract:
   100K tokens/s at the margin), while a prefill worker does 8,192 tokens in ≈ 0.25 s (≈ 32K
   tokens/s). Over HTTP at 128 agents, priced at 100K tokens/s with 96K tokens and no margin,
   the adaptive pool's throughput went from 0.925–0.944 × to 0.981–0.982 × the best gateway's
-  (docs/bench/agentic.md, "Past the knee"). Items go in the stage's order, each to the roomiest
-  such worker, and until an item is routed its cost counts against the worker it was spilled
-  to; with none roomy enough, the stage looks again every 50 ms. The ticket carries the worker
+  (docs/bench/agentic.md, "Past the knee"). The users' speed it keeps is the pace hold's
+  unless `prefill_spill_user_tok_s` says otherwise; at 12 tokens/s (the same runs, fourth
+  session) it spilled so much that the decode workers' queued prefill kept the saturation gate
+  shut on short first turns until 15 of them expired (HTTP 503). Items go in the stage's
+  order, each to the roomiest such worker, and until an item is routed its cost counts
+  against the worker it was spilled to; with none roomy enough, the stage looks again every
+  50 ms. The ticket carries the worker
   (`Ticket.spill_to`) and the routing core sends the request there, unsplit. The prefill
   workers are the pool's bottleneck at and past its knee (three quarters of the prefill is new
   sessions'), and the decode workers' users sometimes have slack to spare: on virtual time
@@ -229,6 +233,8 @@ class FlowConfig(BaseModel):
     | `prefill_spill_max_tokens` | ``49152`` | … whose queued prefill, with it, stays within this |
     | `prefill_spill_margin_s` | ``0.5`` | … and whose users keep this slack beyond that prefill |
     | `prefill_spill_tok_s` | ``null`` | … priced at this rate (null: `pace_hold_prefill_tok_s`) |
+    | `prefill_spill_user_tok_s` | ``null`` | … against users kept at this speed (null: |
+    |  |  | `pace_hold_user_tok_s`) |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
@@ -255,6 +261,7 @@ class FlowConfig(BaseModel):
     prefill_spill_max_tokens: int = Field(default=49152, ge=1)
     prefill_spill_margin_s: float = Field(default=0.5, ge=0)
     prefill_spill_tok_s: float | None = Field(default=None, gt=0)
+    prefill_spill_user_tok_s: float | None = Field(default=None, gt=0)
     pace_hold_tokens: int | None = Field(default=None, ge=1)
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
@@ -298,7 +305,7 @@ class FlowConfig(BaseModel):
             self.prefill_spill_after_s,
             self.prefill_spill_max_tokens,
             self.prefill_spill_margin_s,
-            self.pace_hold_user_tok_s,
+            self.prefill_spill_user_tok_s or self.pace_hold_user_tok_s,
             self.prefill_spill_tok_s or self.pace_hold_prefill_tok_s,
         )
 

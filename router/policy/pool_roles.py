@@ -40,8 +40,9 @@ protect, so holding a turn or cutting its prefill into round trips would only ad
 Past the knee, a third step: the prefill stage's spill (`FlowConfig.prefill_spill_after_s`: a
 held new session prefilled on a decode worker with room, in pieces) acts only while the pool is
 split and, with `spill_at_sessions_per_worker`, from ``A ≥ spill_at · n`` on until ``A <
-spill_at · n / 2`` (or the pool colocates): the end of a burst, when fewer sessions are left and
-the prefill workers still hold the late first turns, is where the spill pays most. Over HTTP (4
+spill_stop · n`` (`spill_stop_below_sessions_per_worker`, default half the line; 0: until the
+pool colocates): the end of a burst, when fewer sessions are left and the prefill workers still
+hold the late first turns, is where the spill pays most. Over HTTP (4
 sim H200 workers, docs/bench/agentic.md, "Past the knee") the spill priced for pieces brought
 the throughput at 128 agents from 0.93 to 0.98 × the best gateway's, but at 64 agents it cost
 the split pool goodput (13.44 against 14.84 r/s in one run; 14.97 and 14.03 against 15.70 in
@@ -69,6 +70,7 @@ moves once more, by the same handoff. The prefill workers are the same on every 
 | `colocate_below_sessions_per_worker` | ``null`` | under this (null: ⅔ of the above)… |
 | `settle_s` | ``10.0`` | …for this long, the pool serves colocated again |
 | `spill_at_sessions_per_worker` | ``null`` | split, the prefill stage spills only from here |
+| `spill_stop_below_sessions_per_worker` | ``null`` | …and on until under this (null: half) |
 
 Config example (`beamserve router --disaggregation`)::
 
@@ -103,6 +105,17 @@ class PoolRolesParams(PluginParams):
     settle_s: float = Field(default=10.0, ge=0.0)
     # None: the prefill stage's spill (if configured) whenever split
     spill_at_sessions_per_worker: float | None = Field(default=None, gt=0.0)
+    # None: half of the spill line
+    spill_stop_below_sessions_per_worker: float | None = Field(default=None, ge=0.0)
+
+    @property
+    def spill_stop_below(self) -> float | None:
+        """Under this many active sessions a worker a spilling pool stops spilling (None: no
+        spill line, so no stop either)."""
+        line, stop = self.spill_at_sessions_per_worker, self.spill_stop_below_sessions_per_worker
+        if line is None:
+            return None
+        return line / 2 if stop is None else stop
 
     @property
     def colocate_below(self) -> float:
@@ -123,6 +136,13 @@ class PoolRolesParams(PluginParams):
                 "spill_at_sessions_per_worker must not be below split_at_sessions_per_worker "
                 f"({spill} < {self.split_at_sessions_per_worker}): the spill acts only on a "
                 "split pool; raise it, or leave it null to spill whenever split"
+            )
+        stop = self.spill_stop_below_sessions_per_worker
+        if stop is not None and (spill is None or stop > spill):
+            raise ValueError(
+                "spill_stop_below_sessions_per_worker needs spill_at_sessions_per_worker and "
+                f"must not exceed it ({stop} > {spill}); lower it, or leave it null for half "
+                "the spill line"
             )
         return self
 
@@ -237,8 +257,8 @@ class PoolRoles:
             self._spilling = False
         elif line is None or active >= line * self._swinging:
             self._spilling = True
-        elif active < line / 2 * self._swinging:  # (half the line: the run's tail spills on)
-            self._spilling = False
+        elif active < (self.params.spill_stop_below or 0.0) * self._swinging:
+            self._spilling = False  # (under the stop, default half the line: the tail spills on)
         built = self._built
         if built is None or built[0] != mode:
             built = self._built = (mode, overlay(endpoints, mode, self.params.prefill_workers))

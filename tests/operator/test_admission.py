@@ -278,6 +278,10 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("poolRoles spill line with the spill off", S.aggregated(both={"replicas": 4}, router={
         "disaggregation": {"poolRoles": {"spillAtSessionsPerWorker": 24}}}),
      "spec.router.disaggregation.poolRoles.spillAtSessionsPerWorker"),
+    ("poolRoles spill stop without a spill line", S.aggregated(both={"replicas": 4}, router={
+        "disaggregation": {"poolRoles": {"spillStopBelowSessionsPerWorker": 4}},
+        "flowControl": {"prefillSpillAfterSeconds": 0.3}}),
+     "spec.router.disaggregation.poolRoles"),
     # rollout
     ("no rollout progress", S.disagg(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
      "spec.rollout.maxSurge"),
@@ -331,6 +335,11 @@ def test_invalid_spec_names_the_field(spec: dict[str, Any], path: str) -> None:
         S.aggregated(both={"replicas": 4}, router={
             "disaggregation": {"poolRoles": {"prefillWorkers": 2, "spillAtSessionsPerWorker": 24}},
             "flowControl": {"prefillSpillAfterSeconds": 0.3, "prefillSpillTokensPerSecond": 1e5}}),
+        S.aggregated(both={"replicas": 4}, router={
+            "disaggregation": {"poolRoles": {"prefillWorkers": 2, "spillAtSessionsPerWorker": 24,
+                                             "spillStopBelowSessionsPerWorker": 0}},
+            "flowControl": {"prefillSpillAfterSeconds": 0.3,
+                            "prefillSpillUserTokensPerSecond": 12}}),
         S.aggregated(engine={"name": "sim", "image": D, "api": "vllm"}, both={"replicas": 2,
             "tp": 1}, router={"disaggregation": {"poolRoles": {}}}),
         S.disagg(decode={"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},

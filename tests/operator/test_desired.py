@@ -371,6 +371,7 @@ def test_pool_roles_render_a_kv_both_pool_the_router_can_split(engine: str) -> N
         "colocate_below_sessions_per_worker": None,
         "settle_s": 5.0,
         "spill_at_sessions_per_worker": None,
+        "spill_stop_below_sessions_per_worker": None,
     }
     # the router takes that config as it is
     from beamserve.router.policy import ConditionalDisaggregation

@@ -88,15 +88,29 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     assert FlowConfig.from_mapping(flags["flow"]).lifo_after_s == 2.0  # the default
     spill = {
         **CONFIG,
-        "flowControl": {"prefillSpillAfterSeconds": 0.3, "prefillSpillTokensPerSecond": 90000},
+        "flowControl": {
+            "prefillSpillAfterSeconds": 0.3,
+            "prefillSpillTokensPerSecond": 90000,
+            "prefillSpillUserTokensPerSecond": 14,
+        },
     }
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spill))["flow"])
     rule = flow.prefill_spill()
-    assert rule is not None and (rule.after_s, rule.prefill_tok_s) == (0.3, 90000)
-    lined = {**CONFIG, "disaggregation": {"poolRoles": {"spillAtSessionsPerWorker": 24}}}
+    assert rule is not None and (rule.after_s, rule.prefill_tok_s, rule.user_tok_s) == (
+        0.3,
+        90000,
+        14,
+    )
+    lined = {
+        **CONFIG,
+        "disaggregation": {
+            "poolRoles": {"spillAtSessionsPerWorker": 24, "spillStopBelowSessionsPerWorker": 0}
+        },
+    }
     disagg = router_flags(RouterConfig.model_validate(lined))["disaggregation"]
     roles = ConditionalDisaggregation.from_params(disagg).params.pool_roles
     assert roles is not None and roles.spill_at_sessions_per_worker == 24
+    assert roles.spill_stop_below == 0
     build_policy(flags["policy"])
 
 

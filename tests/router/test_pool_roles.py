@@ -168,6 +168,46 @@ def test_the_spill_acts_only_when_split_and_past_its_line() -> None:
         assert (plain.mode, plain.spilling) == (mode, plain_spills), active
 
 
+def test_the_spill_stops_where_it_is_told() -> None:
+    """`spill_stop_below_sessions_per_worker`: a spilling pool spills on down to that line (0:
+    until the pool colocates), not half the spill line."""
+    params = PoolRolesParams(
+        split_at_sessions_per_worker=2,
+        colocate_below_sessions_per_worker=1,
+        settle_s=0.0,
+        spill_at_sessions_per_worker=4,
+        spill_stop_below_sessions_per_worker=0,
+    )
+    roles = PoolRoles(params)
+    eps = swinging(4)
+    for active, mode, spills in (
+        (8, "split", False),
+        (16, "split", True),
+        (7, "split", True),  # under half the spill line: still on
+        (4, "split", True),
+        (3, "colocated", False),  # colocated: off whatever the stop
+        (8, "split", False),  # split again: off until the spill line
+    ):
+        roles.apply(eps, active, 0.0)
+        assert (roles.mode, roles.spilling) == (mode, spills), active
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [
+        {"split_at_sessions_per_worker": 2, "spill_stop_below_sessions_per_worker": 1},
+        {
+            "split_at_sessions_per_worker": 2,
+            "spill_at_sessions_per_worker": 4,
+            "spill_stop_below_sessions_per_worker": 5,
+        },
+    ],
+)
+def test_a_spill_stop_without_a_line_or_above_it_is_refused(roles: dict[str, float]) -> None:
+    with pytest.raises(PolicyConfigError, match="spill_stop_below_sessions_per_worker"):
+        ConditionalDisaggregation.from_params({"pool_roles": roles})
+
+
 def test_the_router_spills_only_where_the_pool_roles_let_it() -> None:
     """`RouterRuntime._spill_target` (the prefill stage's spill) answers None while the pool
     is colocated or under the spill line, and a decode worker once past it."""

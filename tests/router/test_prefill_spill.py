@@ -111,6 +111,16 @@ def test_room_shrinks_with_more_prefill_and_more_margin(
         assert core.loads.spill_room(w, cost, **base) is not None
 
 
+def test_a_slower_protected_speed_leaves_room_where_the_pace_hold_s_would_not() -> None:
+    # 100 tokens in 5 s at 20 tok/s; 50 relayed in 2.5 s: on pace at 20, seconds ahead at 12
+    _, core, d = one_user(100, 2.5, 50)
+    assert d.flight is not None
+    w = d.flight.worker
+    assert core.loads.spill_room(w, 10_000, **ROOM) is None
+    assert core.loads.spill_room(w, 10_000, **{**ROOM, "user_tok_s": 12.0}) == 10_000
+    core.finish(d)
+
+
 # --- the core: a spilled ticket goes where the gate found room, prefilled there ----------------
 
 
@@ -149,6 +159,13 @@ def test_config_is_off_by_default_and_checked() -> None:
     assert (rule := priced.prefill_spill()) is not None and rule.prefill_tok_s == 9e4
     with pytest.raises(FlowConfigError, match="prefill_spill_tok_s"):
         FlowConfig.from_mapping({"prefill_spill_tok_s": 0})
+    assert rule.user_tok_s == FlowConfig().pace_hold_user_tok_s  # the pace hold's speed
+    slower = FlowConfig.from_mapping(
+        {"prefill_spill_after_s": 1.0, "prefill_spill_user_tok_s": 12, "pace_hold_user_tok_s": 25}
+    )
+    assert (rule := slower.prefill_spill()) is not None and rule.user_tok_s == 12
+    with pytest.raises(FlowConfigError, match="prefill_spill_user_tok_s"):
+        FlowConfig.from_mapping({"prefill_spill_user_tok_s": -1})
     try:
         FlowConfig.from_mapping({"prefill_spill_max_tokens": 0})
     except FlowConfigError as e:
