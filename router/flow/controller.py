@@ -106,40 +106,41 @@ room. Contract:
   headed the band stopped every item behind it: over HTTP at 128 agents split first turns
   waited 29 s in the router at the median, local ones 2 s.)
   **The spill** (`prefill_spill_after_s`, off by default; `prefill_spill_max_tokens` 49,152,
-  `prefill_spill_margin_s` 0.5 s): while the stage is closed, an item held there that long or
-  longer may instead be prefilled on a decode worker, the session's worker from then on, when
-  that worker has room for it (`PrefillStage.spill`, the router's `LoadBook.spill_room`): its
-  queued prefill, with the item, stays within the maximum, and none of the users streaming from
-  it would be pushed under the pace hold's speed (`pace_hold_user_tok_s`) by that prefill plus
-  the margin, the prefill priced at `prefill_spill_tok_s` (default: the pace hold's
-  `pace_hold_prefill_tok_s`). With the prefill in pieces on, a spilled first turn is prefilled
-  a piece at a time (`beamserve.router.flow.pieces`), and a piece beside memory-bound decode
-  steps costs their users far less than a prefill worker's rate: on the sim's `h200-bf16-tp8`
-  profile a step of 60 decodes takes 37.9 ms, 48.1 ms with 1,024 prefill tokens beside them (≈
-  100K tokens/s at the margin), while a prefill worker does 8,192 tokens in ≈ 0.25 s (≈ 32K
-  tokens/s). Over HTTP at 128 agents, priced at 100K tokens/s with 96K tokens and no margin,
-  the adaptive pool's throughput went from 0.925–0.944 × to 0.981–0.982 × the best gateway's
-  (docs/bench/agentic.md, "Past the knee"). The users' speed it keeps is the pace hold's
-  unless `prefill_spill_user_tok_s` says otherwise; at 12 tokens/s (the same runs, fourth
-  session) it spilled so much that the decode workers' queued prefill kept the saturation gate
-  shut on short first turns until 15 of them expired (HTTP 503). Items go in the stage's
-  order, each to the roomiest such worker, and until an item is routed its cost counts
-  against the worker it was spilled to; with none roomy enough, the stage looks again every
-  50 ms. The ticket carries the worker
-  (`Ticket.spill_to`) and the routing core sends the request there, unsplit. The prefill
-  workers are the pool's bottleneck at and past its knee (three quarters of the prefill is new
-  sessions'), and the decode workers' users sometimes have slack to spare: on virtual time
-  (`scripts/knee-search.py`, `pd-2p2d-spill`) the pool's goodput rose from 15.39 to 15.62 r/s
-  at 64 agents (3 seeds) and from 10.83 to 11.46 r/s at 128 (2 seeds, 6 % more throughput);
-  spilling at once, with no bound on the queue and no margin, lost (10.47 r/s,
-  `pd-2p2d-spill-no-bound`: continuing turns queued behind spilled prompts). Over HTTP at 64
-  agents it spilled 8 times a run and did not help (two runs beside the pool without it: 14.46
-  against 14.73 and 15.10 against 15.58 r/s; docs/bench/agentic.md), so it is off. Holding
-  split first turns there too left the prefill workers idle 12 % of the run while first turns
-  waited (HTTP, 64 agents, 2 prefill + 2 decode workers), and the run took 94–96 s instead of
-  85 s. A split request's booking on its prefill worker ends when the prefill leg answers
-  (`RoutingCore.prefill_hook`), not at the decode worker's first token. Without prefill workers
-  nothing of this applies.
+  `prefill_spill_margin_s` 0.5 s): while the stage is closed, an item held there that long or longer
+  may instead be prefilled on a decode worker, the session's worker from then on, when that worker
+  has room for it (`PrefillStage.spill`, the router's `LoadBook.spill_room`): its queued prefill,
+  with the item, stays within the maximum, and none of the users streaming from it would be pushed
+  under the pace hold's speed (`pace_hold_user_tok_s`) by that prefill plus the margin, the prefill
+  priced at `prefill_spill_tok_s` (default: the pace hold's `pace_hold_prefill_tok_s`). With the
+  prefill in pieces on, a spilled first turn is prefilled a piece at a time
+  (`beamserve.router.flow.pieces`), and a piece beside memory-bound decode steps costs their users
+  far less than a prefill worker's rate: on the sim's `h200-bf16-tp8` profile a step of 60 decodes
+  takes 37.9 ms, 48.1 ms with 1,024 prefill tokens beside them (≈ 100K tokens/s at the margin),
+  while a prefill worker does 8,192 tokens in ≈ 0.25 s (≈ 32K tokens/s). Over HTTP at 128 agents,
+  priced at 100K tokens/s with 96K tokens and no margin, the adaptive pool's throughput went from
+  0.925–0.944 × to 0.981–0.982 × the best gateway's (docs/bench/agentic.md, "Past the knee"). The
+  users' speed it keeps is the pace hold's unless `prefill_spill_user_tok_s` says otherwise; at 12
+  tokens/s (the same runs, fourth session) it spilled so much that the decode workers' queued
+  prefill kept the saturation gate shut on short first turns until 15 of them expired (HTTP 503).
+  Items go in the stage's order, each to the roomiest such worker, and until an item is routed its
+  cost counts against the worker it was spilled to; with none roomy enough, the stage looks again
+  every 50 ms. While a short new session of the band (one the stage does not gate) has waited
+  `lifo_max_wait_s` or half the band's TTL at the saturation gate, the spill yields: it would take
+  the decode workers' room past that gate, and over HTTP at 128 agents with the users' speed at 12
+  tokens/s (above) 15 such sessions waited there until their TTL. The ticket carries the worker
+  (`Ticket.spill_to`) and the routing core sends the request there, unsplit. The prefill workers are
+  the pool's bottleneck at and past its knee (three quarters of the prefill is new sessions'), and
+  the decode workers' users sometimes have slack to spare: on virtual time
+  (`scripts/knee-search.py`, `pd-2p2d-spill`) the pool's goodput rose from 15.39 to 15.62 r/s at 64
+  agents (3 seeds) and from 10.83 to 11.46 r/s at 128 (2 seeds, 6 % more throughput); spilling at
+  once, with no bound on the queue and no margin, lost (10.47 r/s, `pd-2p2d-spill-no-bound`:
+  continuing turns queued behind spilled prompts). Over HTTP at 64 agents it spilled 8 times a run
+  and did not help (two runs beside the pool without it: 14.46 against 14.73 and 15.10 against 15.58
+  r/s; docs/bench/agentic.md), so it is off. Holding split first turns there too left the prefill
+  workers idle 12 % of the run while first turns waited (HTTP, 64 agents, 2 prefill + 2 decode
+  workers), and the run took 94–96 s instead of 85 s. A split request's booking on its prefill
+  worker ends when the prefill leg answers (`RoutingCore.prefill_hook`), not at the decode worker's
+  first token. Without prefill workers nothing of this applies.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -489,6 +490,7 @@ class FlowController:
         self._spilling: dict[Ticket, tuple[str, int]] = {}  # spilled, not routed: worker, cost
         self._spill_check_at = math.inf  # when `_spill_held` wants to look again
         self.spilled = 0  # items the stage spilled to a decode worker (a counter)
+        self.spill_yields = 0  # spill checks that yielded to an overdue short item (a counter)
 
     # --- public --------------------------------------------------------------------------------
 
@@ -710,6 +712,22 @@ class FlowController:
         if rule is None or stage is None or stage.spill is None:
             return
         window = self.config.prefill_sjf_window_s
+        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        overdue = [
+            it
+            for q in self._queues[band].values()
+            for it in q
+            if it.cost < stage.min_tokens
+            and now - it.enqueued_at >= rescue
+            and not it.future.cancelled()
+        ]
+        if overdue:
+            # A short new session overdue at the saturation gate waits for the decode workers'
+            # room; a spill would take that room past the gate and starve it to its TTL. Yield
+            # until it has gone (module docstring, "The spill").
+            self.spill_yields += 1
+            self._spill_check_at = min(self._spill_check_at, now + SPILL_POLL_S)
+            return
         while True:
             held = [
                 it

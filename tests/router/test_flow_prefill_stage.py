@@ -365,6 +365,44 @@ def test_a_held_item_spills_to_a_decode_worker_with_room_once_it_waited_long_eno
     asyncio.run(main())
 
 
+def test_the_spill_yields_to_a_short_new_session_overdue_at_the_saturation_gate() -> None:
+    """A short first turn (not staged) held by the saturation gate for `lifo_max_wait_s` stops
+    the spill: it would take the decode workers' room past that gate. Once that turn has gone,
+    the spill goes on."""
+
+    async def main() -> None:
+        pool, dec = Pool(50000), Decoders(d1=100000)
+        c = spilling(pool, dec, saturation=Saturated(), lifo_max_wait_s=5.0)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        blocker = await asyncio.wait_for(c.admit("continuing", "s0", 100), 1)  # one in flight
+        short = asyncio.ensure_future(c.admit("new", "a", 1000))
+        first = asyncio.ensure_future(c.admit("new", "b", 30000))
+        await settle()
+        clock.t += 1.5
+        c.poll()
+        await settle()
+        assert first.done() and first.result().spill_to == "d1"  # short waited 1.5 s: spills
+        late = asyncio.ensure_future(c.admit("new", "c", 30000))
+        await settle()
+        clock.t += 4.0  # the short one has waited 5.5 s, the new long one 4 s
+        c.poll()
+        await settle()
+        assert not short.done() and not late.done() and c.spill_yields >= 1
+        assert c._spill_check_at <= clock.t + 0.05  # it looks again while it yields
+        first.result().release()  # the decode workers' room comes back: the short one goes
+        blocker.release()
+        await settle()
+        assert short.done()
+        c.poll()
+        await settle()
+        assert late.done() and late.result().spill_to == "d1"  # then the spill goes on
+        for f in (short, late):
+            f.result().release()
+        assert c.stats().in_flight == 0 and not c._spilling
+
+    asyncio.run(main())
+
+
 def test_no_decode_worker_with_room_keeps_it_held_and_looks_again_soon() -> None:
     async def main() -> None:
         pool, dec = Pool(50000), Decoders(d1=10000)
