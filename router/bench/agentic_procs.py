@@ -486,13 +486,22 @@ def _vllm_router_argv(spec: RouterSpec, workers: Sequence[Worker], port: int) ->
             "--worker-startup-check-interval", "1"]  # fmt: skip
 
 
+def _merged(args: tuple[str, ...], flow: dict[str, Any], roles: dict[str, Any]) -> tuple[str, ...]:
+    """`pd_rule_adaptive`'s argv with `flow` merged into its `--flow` and `roles` into its
+    disaggregation's `pool_roles`."""
+    out = list(args)
+    disagg = json.loads(out[1])
+    disagg["pool_roles"] |= roles
+    out[1] = json.dumps(disagg)
+    out[3] = json.dumps(json.loads(out[3]) | flow)
+    return tuple(out)
+
+
 def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
     """`beamserve-adaptive-spill-wide`'s argv with the JSON in `var` merged into its `--flow`
     (the bench's `-spill-x` / `-spill-y` experiment routers)."""
-    args = list(pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0))
-    flow = json.loads(args[3]) | json.loads(os.environ.get(var, "{}"))
-    args[3] = json.dumps(flow)
-    return tuple(args)
+    wide = pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0)
+    return _merged(wide, json.loads(os.environ.get(var, "{}")), {})
 
 
 _SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000)
@@ -503,12 +512,13 @@ def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
     "pool_roles": {...}}``) merged into its `--flow` and its disaggregation's `pool_roles` (the
     bench's `-spill-z` / `-spill-w` experiment routers)."""
     z = json.loads(os.environ.get(var, "{}"))
-    args = list(_SHIPPED_SPILL)
-    disagg = json.loads(args[1])
-    disagg["pool_roles"] |= z.get("pool_roles", {})
-    args[1] = json.dumps(disagg)
-    args[3] = json.dumps(json.loads(args[3]) | z.get("flow", {}))
-    return tuple(args)
+    return _merged(_SHIPPED_SPILL, z.get("flow", {}), z.get("pool_roles", {}))
+
+
+def _adaptive(name: str, args: tuple[str, ...]) -> RouterSpec:
+    """A `beamserve-adaptive*` router: beamserve over `kv_both` workers with `args`."""
+    return RouterSpec(name, "beamserve", "sticky-until-saturated", "beamserve", _beamserve_argv,
+                      beamserve_exe, ready_json=True, kv_both=True, extra_args=args)  # fmt: skip
 
 
 def _router_specs() -> dict[str, RouterSpec]:
@@ -518,36 +528,17 @@ def _router_specs() -> dict[str, RouterSpec]:
         RouterSpec("beamserve-2p2d", "beamserve", "sticky-until-saturated", "beamserve",
                    _beamserve_argv, beamserve_exe, ready_json=True, prefill_share=0.5,
                    extra_args=PD_RULE_FIRST_TURNS),
-        RouterSpec("beamserve-adaptive", "beamserve", "sticky-until-saturated", "beamserve",
-                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(6.0)),
-        RouterSpec("beamserve-adaptive-3", "beamserve", "sticky-until-saturated", "beamserve",
-                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(3.0)),
-        RouterSpec("beamserve-adaptive-10", "beamserve", "sticky-until-saturated", "beamserve",
-                   _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(10.0)),
-        RouterSpec("beamserve-adaptive-spill", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=_SHIPPED_SPILL),
-        RouterSpec("beamserve-adaptive-spill-unpriced", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(6.0, spill_after_s=0.3)),
-        RouterSpec("beamserve-adaptive-spill-wide", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0)),
-        RouterSpec("beamserve-adaptive-spill-x", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=_spill_x()),
-        RouterSpec("beamserve-adaptive-spill-y", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=_spill_x("BS_SPILL_Y")),
-        RouterSpec("beamserve-adaptive-spill-z", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=_spill_z()),
-        RouterSpec("beamserve-adaptive-spill-w", "beamserve", "sticky-until-saturated",
-                   "beamserve", _beamserve_argv, beamserve_exe, ready_json=True, kv_both=True,
-                   extra_args=_spill_z("BS_SPILL_W")),
+        _adaptive("beamserve-adaptive", pd_rule_adaptive(6.0)),
+        _adaptive("beamserve-adaptive-3", pd_rule_adaptive(3.0)),
+        _adaptive("beamserve-adaptive-10", pd_rule_adaptive(10.0)),
+        _adaptive("beamserve-adaptive-spill", _SHIPPED_SPILL),
+        _adaptive("beamserve-adaptive-spill-unpriced", pd_rule_adaptive(6.0, spill_after_s=0.3)),
+        _adaptive("beamserve-adaptive-spill-wide",
+                  pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0)),
+        _adaptive("beamserve-adaptive-spill-x", _spill_x()),
+        _adaptive("beamserve-adaptive-spill-y", _spill_x("BS_SPILL_Y")),
+        _adaptive("beamserve-adaptive-spill-z", _spill_z()),
+        _adaptive("beamserve-adaptive-spill-w", _spill_z("BS_SPILL_W")),
         RouterSpec("beamserve-2p2d-no-pieces", "beamserve", "sticky-until-saturated",
                    "beamserve", _beamserve_argv, beamserve_exe, ready_json=True,
                    prefill_share=0.5, extra_args=PD_RULE_NO_PIECES),

@@ -673,12 +673,17 @@ class FlowController:
             return False
         return bool(stage.loads())
 
+    def _rescue_s(self, band: Band) -> float:
+        """How long an item of `band` waits before it is overdue: `lifo_max_wait_s`, or half
+        the band's TTL when that is less (module docstring, "Adaptive LIFO")."""
+        return min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+
     def _shortest(self, items: list[_Item], band: Band, now: float) -> _Item:
         """Shortest first among `items` of `band` (module docstring, "The prefill stage"):
         items that waited `lifo_max_wait_s` (or half the TTL) first, oldest first; then the
         cheapest of those that waited less than `prefill_sjf_window_s`, oldest among equals;
         then the oldest."""
-        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        rescue = self._rescue_s(band)
         overdue = [it for it in items if now - it.enqueued_at >= rescue]
         if overdue:
             return min(overdue, key=lambda it: it.seq)
@@ -712,7 +717,7 @@ class FlowController:
         if rule is None or stage is None or stage.spill is None:
             return
         window = self.config.prefill_sjf_window_s
-        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        rescue = self._rescue_s(band)
         overdue = [
             it
             for q in self._queues[band].values()
@@ -770,7 +775,7 @@ class FlowController:
         if after is None or band == "continuing":
             return False
         oldest = min(q[0].enqueued_at for q in self._queues[band].values())
-        rescue = min(self.config.lifo_max_wait_s, self.config.band_ttl(band) / 2)
+        rescue = self._rescue_s(band)
         return after <= now - oldest < rescue
 
     # --- dispatch --------------------------------------------------------------------------------

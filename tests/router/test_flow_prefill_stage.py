@@ -60,6 +60,14 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def later(c: FlowController, seconds: float) -> None:
+    """`seconds` pass on `c`'s fake clock; the controller looks again and settles."""
+    clock: FakeClock = c._clock  # type: ignore[assignment]
+    clock.t += seconds
+    c.poll()
+    await settle()
+
+
 def test_long_first_prompts_wait_while_every_prefill_worker_is_busy() -> None:
     async def main() -> None:
         pool = Pool(33000, 40000)  # both over the 32,768 default
@@ -347,13 +355,10 @@ def test_a_held_item_spills_to_a_decode_worker_with_room_once_it_waited_long_eno
     async def main() -> None:
         pool, dec = Pool(50000, 50000), Decoders(d1=40000, d2=0)
         c = spilling(pool, dec)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
         fut = asyncio.ensure_future(c.admit("new", "s", 30000))
         await settle()
         assert not fut.done() and not dec.asked  # not waited 1 s yet: not even asked
-        clock.t += 1.0
-        c.poll()
-        await settle()
+        await later(c, 1.0)
         assert fut.done()
         t: Ticket = fut.result()
         assert t.spill_to == "d1" and c.spilled == 1
@@ -378,15 +383,11 @@ def test_the_spill_yields_to_a_short_new_session_overdue_at_the_saturation_gate(
         short = asyncio.ensure_future(c.admit("new", "a", 1000))
         first = asyncio.ensure_future(c.admit("new", "b", 30000))
         await settle()
-        clock.t += 1.5
-        c.poll()
-        await settle()
+        await later(c, 1.5)
         assert first.done() and first.result().spill_to == "d1"  # short waited 1.5 s: spills
         late = asyncio.ensure_future(c.admit("new", "c", 30000))
         await settle()
-        clock.t += 4.0  # the short one has waited 5.5 s, the new long one 4 s
-        c.poll()
-        await settle()
+        await later(c, 4.0)  # the short one has waited 5.5 s, the new long one 4 s
         assert not short.done() and not late.done() and c.spill_yields >= 1
         assert c._spill_check_at <= clock.t + 0.05  # it looks again while it yields
         first.result().release()  # the decode workers' room comes back: the short one goes
@@ -410,9 +411,7 @@ def test_no_decode_worker_with_room_keeps_it_held_and_looks_again_soon() -> None
         clock: FakeClock = c._clock  # type: ignore[assignment]
         fut = asyncio.ensure_future(c.admit("new", "s", 30000))
         await settle()
-        clock.t += 2.0
-        c.poll()
-        await settle()
+        await later(c, 2.0)
         assert not fut.done() and dec.asked
         assert c._spill_check_at <= clock.t + 0.05  # the timer looks again while it waits
         dec.room["d1"] = 30000  # the worker's users gained slack
@@ -429,13 +428,10 @@ def test_spilled_items_not_routed_yet_count_against_their_worker() -> None:
     async def main() -> None:
         pool, dec = Pool(50000), Decoders(d1=50000)
         c = spilling(pool, dec)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
         a = asyncio.ensure_future(c.admit("new", "a", 30000))
         b = asyncio.ensure_future(c.admit("new", "b", 30000))
         await settle()
-        clock.t += 1.5
-        c.poll()
-        await settle()
+        await later(c, 1.5)
         assert a.done() and not b.done()  # 30K + 30K would overfill d1
         assert dec.asked[-1] == (30000, {"d1": 30000})
         a.result().routed()  # now in the worker's books (here: not), no longer pending
@@ -487,14 +483,11 @@ def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
     async def main() -> None:
         pool, dec = Pool(90000), Decoders(d1=room)
         c = spilling(pool, dec)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
         futs = []
         for i, n in enumerate(sizes):
             futs.append(asyncio.ensure_future(c.admit("new", f"s{i}", n)))
             await settle()
-            clock.t += waits[i % len(waits)]
-            c.poll()
-            await settle()
+            await later(c, waits[i % len(waits)])
             spilled = [f.result() for f in futs if f.done() and not f.cancelled()]
             assert sum(t.cost_tokens for t in spilled) <= room
         for i in cancel:
