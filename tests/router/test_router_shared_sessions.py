@@ -48,14 +48,19 @@ def test_sessions_follow_their_worker_across_router_replicas(
     workers = [spawn_worker("--engine", "sim") for _ in range(3)]
     specs = json.dumps([{"url": w.url} for w in workers])
     # approximate mode and no KV events: replica B knows nothing of A's traffic but the store.
+    # The session's warm worker outweighs any load (so a turn lands there only when the replica
+    # knows the session: the decision's reason is then "sticky"); a session not yet known goes
+    # by load, ties broken by the session id.
     # A Redis call over its budget sends a replica to local state (by design); on a loaded test
     # machine the default 0.25 s, event-loop lag included, is within reach, so a wider one here.
-    common = ["--endpoints", specs, "--redis", redis_server.url, "--policy", "least-load",
+    scorers = [{"type": "session-affinity", "weight": 10}, {"type": "load", "weight": 1}]
+    policy = {"name": "affine", "picker": {"type": "max-score"}, "scorers": scorers}
+    common = ["--endpoints", specs, "--redis", redis_server.url, "--policy", json.dumps(policy),
               "--redis-op-timeout-s", "5"]  # fmt: skip
     a = spawn_worker(*common, command="router")
     b = spawn_worker(*common, command="router")
-    # Open sessions on A until they sit on at least two workers (least-load with every worker
-    # idle is a tie, broken by the session id: how many it takes must not decide the test).
+    # Open sessions on A until they sit on at least two workers (load with every worker idle is
+    # a tie, broken by the session id: how many it takes must not decide the test).
     first: dict[str, str] = {}
     while len(first) < 6 or len(set(first.values())) < 2:
         assert len(first) < 30, f"least-load kept every session on one worker: {first}"
@@ -69,7 +74,7 @@ def test_sessions_follow_their_worker_across_router_replicas(
         # replica B knows the session only from the store: its warm worker, and (a record plus
         # an earlier turn in the body) the continuing band
         again = route_of(turn(b, sid, f"a second turn {sid}", f"opening of {sid}").headers)
-        assert again["decode"] == first[sid], (sid, again)
+        assert (again["decode"], again["reason"]) == (first[sid], "sticky"), (sid, again)
         assert again["band"] == "continuing"
 
     peers_settled(a)
@@ -79,11 +84,9 @@ def test_sessions_follow_their_worker_across_router_replicas(
     redis_server.kill()
     t0 = time.monotonic()
     for sid in sessions[:3]:
-        # a continuing turn: its warm worker comes from A's local copy of the record (a turn
-        # that opens a conversation would go where least-load's tie-break sends it, which a
-        # booking still in flight on a loaded machine can move)
+        # a continuing turn: its warm worker comes from A's local copy of the record
         during = route_of(turn(a, sid, "during the outage", f"opening of {sid}").headers)
-        assert during["decode"] == first[sid], (sid, during)
+        assert (during["decode"], during["reason"]) == (first[sid], "sticky"), (sid, during)
         assert during["band"] == "continuing"
     assert time.monotonic() - t0 < 10
     assert metric(a.url, "beamserve_router_session_store_degraded") == 1
@@ -97,4 +100,4 @@ def test_sessions_follow_their_worker_across_router_replicas(
         time.sleep(0.5)
     for sid in sessions[:3]:
         after = route_of(turn(b, sid, "after recovery", f"opening of {sid}").headers)
-        assert after["decode"] == first[sid], (sid, after)
+        assert (after["decode"], after["reason"]) == (first[sid], "sticky"), (sid, after)
