@@ -16,9 +16,22 @@ import uvloop
 from beamserve.argtypes import positive_float, positive_int
 
 
+def _inline_json(text: str) -> bool:
+    return text.lstrip().startswith(("{", "["))
+
+
+def _is_file(text: str) -> bool:
+    """`Path(text).is_file()`, False where the text cannot be a path at all (a component over
+    the file system's name limit raises ENAMETOOLONG)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
+
+
 def _json_arg(text: str) -> Any:
-    p = Path(text)
-    raw = p.read_text() if p.is_file() else text
+    """An option's JSON, inline (an object or a list, of any length) or in a file."""
+    raw = Path(text).read_text() if not _inline_json(text) and _is_file(text) else text
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -117,7 +130,7 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
 
 
 def _json_arg_or_name(text: str) -> Any:
-    return _json_arg(text) if text.lstrip().startswith("{") or Path(text).is_file() else text
+    return _json_arg(text) if _inline_json(text) or _is_file(text) else text
 
 
 def router_main(args: argparse.Namespace) -> int:
