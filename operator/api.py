@@ -467,6 +467,10 @@ class SaturationSpec(_Model):
     """Decode seconds per output token, as the router times its users' streams, at which a
     worker counts as full, so new sessions wait (0.05: 20 tokens/s per user); null: off
     (docs/policies.md, "Saturation gate")."""
+    cap_workers_at_threshold: bool = True
+    """A worker past full counts as full in the pool's mean, so one overloaded worker does not
+    hold new sessions while another has room; false: the raw mean (docs/policies.md,
+    "Saturation gate")."""
 
 
 RouterPolicyName = Literal[

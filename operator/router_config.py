@@ -124,6 +124,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "max_kv_usage": config.saturation.max_kv_usage,
             "stale_after_s": config.saturation.stale_after_seconds,
             "max_decode_itl_s": config.saturation.max_decode_itl_seconds,
+            "cap_workers_at_threshold": config.saturation.cap_workers_at_threshold,
         },
         "max_body_bytes": config.max_body_bytes,
         "scrape_interval_s": config.scrape_interval_seconds,

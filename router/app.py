@@ -58,6 +58,7 @@ from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
 from beamserve.router.flow.pace_hold import PaceHold
 from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
+from beamserve.router.flow.saturation import SaturationDetector, worker_saturation
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
@@ -201,7 +202,10 @@ class Router:
             "worker_decode_tokens": {},
             "worker_breaker_open": {},
             "worker_resting_sessions": {},
+            "worker_saturation": {},
         }
+        detector = self.flow.saturation
+        config = detector.config if isinstance(detector, SaturationDetector) else None
         for e in self.endpoints():
             ld = self.core.loads.load(e.id)
             workers["worker_in_flight"][e.id] = ld.in_flight
@@ -209,8 +213,13 @@ class Router:
             workers["worker_decode_tokens"][e.id] = ld.decode_tokens
             workers["worker_breaker_open"][e.id] = float(not ld.healthy)
             workers["worker_resting_sessions"][e.id] = self.core.loads.resting_sessions(e.id)
+            if config is not None and e.can_decode and ld.healthy:  # the detector's workers
+                workers["worker_saturation"][e.id] = worker_saturation(ld, config)
         return {
             "queue_depth": dict(stats.queued),
+            "saturation": (
+                (detector.level(), float(stats.saturated)) if config is not None else None
+            ),
             "in_flight": self.core.open_dispatches,
             "workers": workers,
             "session_degraded": bool(self.sessions.health().get("degraded", False)),

@@ -8,7 +8,10 @@ resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_to
 `worker_in_flight{worker}`, `worker_prefill_tokens{worker}`, `worker_decode_tokens{worker}`,
 `worker_breaker_open{worker}`, `worker_resting_sessions{worker}` (sessions between turns whose
 next turn is expected back there: `router/load.py`, "Resting sessions"),
-`session_store_degraded`, `kv_event_*` (subscriber totals).
+`worker_saturation{worker}` (each decode-capable worker's term of the saturation detector,
+`router/flow/saturation.py`), `saturation_level` (their mean, as of the last snapshot),
+`saturated` (1 while new sessions are held for it), `session_store_degraded`, `kv_event_*`
+(subscriber totals).
 With replica sync on: gauges `replica_sync_connected`, `replica_sync_peers` (fresh peers),
 `worker_peer_in_flight{worker}` and `worker_peer_prefill_tokens{worker}` (what the fresh peers
 book there); counters `replica_sync_messages_total{direction}` (published | received),
@@ -52,12 +55,27 @@ class _Live(Collector):
             "worker_decode_tokens": "Router-tracked context tokens in decode.",
             "worker_breaker_open": "1 while the worker's circuit breaker is open.",
             "worker_resting_sessions": "Sessions between turns whose next turn is due here.",
+            "worker_saturation": "The saturation detector's share of this decode-capable "
+            "worker in use (0 idle, 1 full: the largest of its terms).",
         }
         for name, doc in per.items():
             fam = GaugeMetricFamily(f"beamserve_router_{name}", doc, labels=["worker"])
             for worker, v in s["workers"].get(name, {}).items():
                 fam.add_metric([worker], v)
             yield fam
+        sat = s.get("saturation")
+        if sat is not None:
+            yield GaugeMetricFamily(
+                "beamserve_router_saturation_level",
+                "The pool's saturation level (mean of worker_saturation; new sessions wait at "
+                "or above the threshold, 1 by default).",
+                value=sat[0],
+            )
+            yield GaugeMetricFamily(
+                "beamserve_router_saturated",
+                "1 while the pool counts as saturated (new sessions held in the router).",
+                value=sat[1],
+            )
         yield GaugeMetricFamily(
             "beamserve_router_session_store_degraded",
             "1 while the shared session store is unreachable (serving from local state).",

@@ -509,10 +509,14 @@ _SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0
 
 def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
     """`beamserve-adaptive-spill`'s argv with the JSON in `var` (``{"flow": {...},
-    "pool_roles": {...}}``) merged into its `--flow` and its disaggregation's `pool_roles` (the
-    bench's `-spill-z` / `-spill-w` experiment routers)."""
+    "pool_roles": {...}, "saturation": {...}}``) merged into its `--flow` and its
+    disaggregation's `pool_roles`, and the last as its `--saturation` (the bench's `-spill-z` /
+    `-spill-w` experiment routers)."""
     z = json.loads(os.environ.get(var, "{}"))
-    return _merged(_SHIPPED_SPILL, z.get("flow", {}), z.get("pool_roles", {}))
+    args = _merged(_SHIPPED_SPILL, z.get("flow", {}), z.get("pool_roles", {}))
+    if "saturation" in z:
+        args += ("--saturation", json.dumps(z["saturation"]))
+    return args
 
 
 def _adaptive(name: str, args: tuple[str, ...]) -> RouterSpec:

@@ -14,8 +14,15 @@ Formula, over the snapshot of `WorkerLoad`s last given to `observe` (one per wor
 is fresh, the other replicas' seen by it; ``queue_len`` the scraped waiting requests plus this
 replica's own changes since the scrape (`beamserve.router.load.effective_load`): with N router
 replicas behind a plain balancer, each sees the whole pool's load, not its 1/N share.
-    level     = mean_w s_w           (∞ when no worker is healthy: nothing can serve)
-    saturated = level ≥ threshold
+    level     = mean_w min(s_w, threshold)      (∞ when no worker is healthy: nothing can serve)
+    saturated = level ≥ threshold    ⇔ every healthy worker is full
+
+A worker past full counts as full (`cap_workers_at_threshold`): its overload is its own queue,
+not the other workers'. Without the cap one worker holding a 144K-token prompt (2.2 × full)
+beside an idle one averaged to 1.1, and the gate held every new session while a worker idled
+— seen over HTTP at 128 agents, when a split pool had gone back to colocated at the end of a
+burst (docs/bench/agentic.md, "Saturation that counts a worker at most full"). The projection
+below still meters how much is let through before the next snapshot.
 
 Between snapshots the detector also projects the work admitted since the last one, which the
 snapshot cannot show yet (admission happens before routing books the request's load)::
@@ -52,6 +59,7 @@ saturated (start-up must be able to admit).
 | `stale_after_s` | ``2.0`` | scrapes older than this are ignored |
 | `threshold` | ``1.0`` | pool level at or above which the pool is saturated |
 | `max_decode_itl_s` | ``0.05`` | decode seconds per token at which a worker is full (None: off) |
+| `cap_workers_at_threshold` | ``true`` | a worker counts at most `threshold` in the mean |
 
 The decode-pace term. The other terms measure prefill and queueing: they keep TTFT in bounds,
 but not the speed at which each user then receives tokens. Past saturation on agent traffic
@@ -131,6 +139,7 @@ class SaturationConfig(BaseModel):
     stale_after_s: float = Field(default=2.0, ge=0)
     threshold: float = Field(default=1.0, gt=0)
     max_decode_itl_s: float | None = Field(default=0.05, gt=0)
+    cap_workers_at_threshold: bool = True
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> SaturationConfig:
@@ -168,7 +177,10 @@ class SaturationDetector:
         if not healthy:
             self._level = math.inf
         else:
-            self._level = sum(worker_saturation(w, self.config) for w in healthy) / len(healthy)
+            c = self.config
+            cap = c.threshold if c.cap_workers_at_threshold else math.inf
+            terms = (min(worker_saturation(w, self.config), cap) for w in healthy)
+            self._level = sum(terms) / len(healthy)
         self._observed_at = now
         self._capacity_tokens = len(healthy) * self.config.max_prefill_tokens
         self._pending = 0

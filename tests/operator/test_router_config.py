@@ -86,6 +86,10 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lifo))["flow"])
     assert (flow.lifo_after_s, flow.lifo_max_wait_s) == (None, 20)
     assert FlowConfig.from_mapping(flags["flow"]).lifo_after_s == 2.0  # the default
+    assert SaturationConfig.from_mapping(flags["saturation"]).cap_workers_at_threshold
+    raw = {**CONFIG, "saturation": {"capWorkersAtThreshold": False}}
+    flags_raw = router_flags(RouterConfig.model_validate(raw))
+    assert SaturationConfig.from_mapping(flags_raw["saturation"]).cap_workers_at_threshold is False
     spill = {
         **CONFIG,
         "flowControl": {

@@ -13,6 +13,7 @@ from beamserve.router.flow import (
     FlowConfig,
     FlowConfigError,
     FlowController,
+    SaturationConfig,
     SaturationDetector,
     Shed,
     Ticket,
@@ -378,9 +379,36 @@ def test_saturation_detector_formula() -> None:
     ]
     assert det.observe(loads) == pytest.approx(0.7)
     assert not det.saturated(0.0)
-    assert det.observe([WorkerLoad(queue_len=6, scraped_age_s=0.0)]) == pytest.approx(1.2)
+    # a worker past full counts as full (the threshold) in the mean
+    assert det.observe([WorkerLoad(queue_len=6, scraped_age_s=0.0)]) == pytest.approx(1.0)
     assert det.saturated(0.0)
     assert det.observe([WorkerLoad(healthy=False)]) == float("inf")
+
+
+def test_one_worker_past_full_does_not_hide_another_ones_room() -> None:
+    # a 144K-token prompt queued on one worker (2.2 × full) and an idle worker beside it: the
+    # pool mean of the raw terms (1.1) would hold every new session while a worker idles
+    loads = [WorkerLoad(prefill_tokens=144_000), WorkerLoad()]
+    capped = SaturationDetector()
+    assert capped.observe(loads) == pytest.approx(0.5)
+    assert not capped.saturated(0.0)
+    raw = SaturationDetector(SaturationConfig(cap_workers_at_threshold=False))
+    assert raw.observe(loads) == pytest.approx(144_000 / 65536 / 2)
+    assert raw.saturated(0.0)
+
+
+@given(
+    st.lists(st.integers(0, 400_000), min_size=1, max_size=8),
+    st.floats(0.5, 3.0),
+)
+def test_a_capped_pool_is_saturated_exactly_when_every_worker_is(
+    prefill: list[int], threshold: float
+) -> None:
+    det = SaturationDetector(SaturationConfig(threshold=threshold))
+    level = det.observe([WorkerLoad(prefill_tokens=p) for p in prefill])
+    terms = [p / 65536 for p in prefill]
+    assert level <= threshold + 1e-9
+    assert det.saturated(0.0) == all(t >= threshold for t in terms)
 
 
 def test_observe_pool_gates_and_reopens() -> None:

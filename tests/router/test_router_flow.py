@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 from beamserve.router.app import KeyPolicy, RouterSettings
 from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
 from beamserve.router.server import RouterRuntime, RuntimeConfig
@@ -240,5 +241,51 @@ def test_client_that_disconnects_while_queued_leaves_the_queue(spawn_worker: Spa
             server.should_exit = True
             await serving
             await rt.stop()
+
+    asyncio.run(main())
+
+
+def test_metrics_show_the_saturation_gate(spawn_worker: SpawnWorker) -> None:
+    """`/metrics` carries each decode worker's saturation term, the pool level the gate compares
+    with its threshold, and whether new sessions are held now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    workers = [spawn_worker("--engine", "sim") for _ in range(2)]
+    rt = runtime([w.url for w in workers])
+
+    async def samples(c: httpx.AsyncClient) -> dict[tuple[str, str], float]:
+        text = (await c.get("/metrics")).text
+        return {
+            (s.name, s.labels.get("worker", "")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if "saturat" in s.name
+        }
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            ids = [e.id for e in rt.endpoints()]
+            rt._observe_pool()
+            idle = await samples(c)
+            assert idle[("beamserve_router_saturated", "")] == 0
+            assert idle[("beamserve_router_saturation_level", "")] < 1
+            assert {w for (n, w) in idle if n == "beamserve_router_worker_saturation"} == set(ids)
+            # one worker's engine reports 10 waiting requests (twice max_queue_len 5): full
+            # twice over, yet it counts as full only, and the other one has room
+            rt.loads.scraped(ids[0], {"vllm:num_requests_waiting": 10})
+            rt._observe_pool()
+            one = await samples(c)
+            assert one[("beamserve_router_worker_saturation", ids[0])] == 2.0
+            assert one[("beamserve_router_worker_saturation", ids[1])] < 1
+            assert one[("beamserve_router_saturation_level", "")] < 1
+            assert one[("beamserve_router_saturated", "")] == 0
+            # the other one full too: the pool is
+            rt.loads.scraped(ids[1], {"vllm:num_requests_waiting": 6})
+            rt._observe_pool()
+            both = await samples(c)
+            assert both[("beamserve_router_worker_saturation", ids[1])] == pytest.approx(1.2)
+            assert both[("beamserve_router_saturation_level", "")] == pytest.approx(1.0)
+            assert both[("beamserve_router_saturated", "")] == 1
 
     asyncio.run(main())
