@@ -205,7 +205,8 @@ class Router:
             "worker_saturation": {},
         }
         detector = self.flow.saturation
-        config = detector.config if isinstance(detector, SaturationDetector) else None
+        builtin = detector if isinstance(detector, SaturationDetector) else None
+        config = builtin.config if builtin is not None else None
         for e in self.endpoints():
             ld = self.core.loads.load(e.id)
             workers["worker_in_flight"][e.id] = ld.in_flight
@@ -218,7 +219,7 @@ class Router:
         return {
             "queue_depth": dict(stats.queued),
             "saturation": (
-                (detector.level(), float(stats.saturated)) if config is not None else None
+                (builtin.level(), float(stats.saturated)) if builtin is not None else None
             ),
             "in_flight": self.core.open_dispatches,
             "workers": workers,
