@@ -9,7 +9,8 @@ resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_to
 `worker_breaker_open{worker}`, `worker_resting_sessions{worker}` (sessions between turns whose
 next turn is expected back there: `router/load.py`, "Resting sessions"),
 `worker_saturation{worker}` (each decode-capable worker's term of the saturation detector,
-`router/flow/saturation.py`), `saturation_level` (their mean, as of the last snapshot),
+`router/flow/saturation.py`, now), `saturation_level` (the pool's level at the last snapshot:
+the mean of those terms, each capped at the threshold),
 `saturated` (1 while new sessions are held for it), `session_store_degraded`, `kv_event_*`
 (subscriber totals).
 With replica sync on: gauges `replica_sync_connected`, `replica_sync_peers` (fresh peers),
@@ -67,8 +68,8 @@ class _Live(Collector):
         if sat is not None:
             yield GaugeMetricFamily(
                 "beamserve_router_saturation_level",
-                "The pool's saturation level (mean of worker_saturation; new sessions wait at "
-                "or above the threshold, 1 by default).",
+                "The pool's saturation level at the last snapshot (the mean of the workers' "
+                "terms, each capped at the threshold; new sessions wait at or above it).",
                 value=sat[0],
             )
             yield GaugeMetricFamily(

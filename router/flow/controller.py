@@ -718,14 +718,13 @@ class FlowController:
             return
         window = self.config.prefill_sjf_window_s
         rescue = self._rescue_s(band)
-        overdue = [
-            it
-            for q in self._queues[band].values()
-            for it in q
-            if it.cost < stage.min_tokens
+        overdue = any(
+            it.cost < stage.min_tokens
             and now - it.enqueued_at >= rescue
             and not it.future.cancelled()
-        ]
+            for q in self._queues[band].values()
+            for it in q
+        )
         if overdue:
             # A short new session overdue at the saturation gate waits for the decode workers'
             # room; a spill would take that room past the gate and starve it to its TTL. Yield

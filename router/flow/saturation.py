@@ -21,7 +21,7 @@ A worker past full counts as full (`cap_workers_at_threshold`): its overload is 
 not the other workers'. Without the cap one worker holding a 144K-token prompt (2.2 × full)
 beside an idle one averaged to 1.1, and the gate held every new session while a worker idled
 — seen over HTTP at 128 agents, when a split pool had gone back to colocated at the end of a
-burst (docs/bench/agentic.md, "Saturation that counts a worker at most full"). The projection
+burst (docs/bench/agentic.md, "A saturation gate that counts a worker at most full"). The projection
 below still meters how much is let through before the next snapshot.
 
 Between snapshots the detector also projects the work admitted since the last one, which the
@@ -179,8 +179,10 @@ class SaturationDetector:
         else:
             c = self.config
             cap = c.threshold if c.cap_workers_at_threshold else math.inf
-            terms = (min(worker_saturation(w, self.config), cap) for w in healthy)
-            self._level = sum(terms) / len(healthy)
+            terms = [min(worker_saturation(w, c), cap) for w in healthy]
+            # every worker full is the threshold exactly (a float mean of equal terms can round
+            # under it)
+            self._level = cap if min(terms) >= cap else sum(terms) / len(terms)
         self._observed_at = now
         self._capacity_tokens = len(healthy) * self.config.max_prefill_tokens
         self._pending = 0
