@@ -933,6 +933,14 @@ def _router_problems(spec: BeamDeploymentSpec) -> list[Violation]:
         )
     out += _pool_roles_problems(spec)
     f = r.flow_control
+    if f.prefill_spill_lull_seconds is not None and f.prefill_spill_after_seconds is None:
+        out.append(
+            Violation(
+                "spec.router.flowControl.prefillSpillLullSeconds",
+                "changes the prefill stage's spill in a lull, and the spill is off; set "
+                "prefillSpillAfterSeconds too, or remove it",
+            )
+        )
     if f.lifo_after_seconds is not None and f.lifo_after_seconds >= f.lifo_max_wait_seconds:
         out.append(
             Violation(

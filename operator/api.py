@@ -436,6 +436,17 @@ class FlowControlSpec(_Model):
     """The decoding speed per user the spill keeps (its users' slack is reckoned at it); null:
     paceHoldUserTokensPerSecond. Lower lets a saturated pool's decode workers take more of the
     new sessions' prefill at their users' expense."""
+    prefill_spill_lull_seconds: Annotated[float, Field(gt=0)] | None = None
+    """Once no new session has reached the router for this long while some wait at that
+    stage (the end of a burst), the spill keeps users at prefillSpillLullUserTokensPerSecond
+    instead, within prefillSpillLullMaxTokens: the held sessions, which no longer compete with
+    new ones, drain on the decode workers too; null: never (docs/policies.md, "The spill in a
+    lull")."""
+    prefill_spill_lull_user_tokens_per_second: Annotated[float, Field(gt=0)] = 10.0
+    """The decoding speed per user the spill keeps in a lull."""
+    prefill_spill_lull_max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """A decode worker's queued prefill bound for the spill in a lull; null:
+    prefillSpillMaxTokens."""
     prefill_piece_min_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker, is
     prefilled in pieces: the router first sends its prompt's growing prefixes

@@ -111,6 +111,11 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_spill_margin_s": config.flow_control.prefill_spill_margin_seconds,
             "prefill_spill_tok_s": config.flow_control.prefill_spill_tokens_per_second,
             "prefill_spill_user_tok_s": config.flow_control.prefill_spill_user_tokens_per_second,
+            "prefill_spill_lull_s": config.flow_control.prefill_spill_lull_seconds,
+            "prefill_spill_lull_user_tok_s": (
+                config.flow_control.prefill_spill_lull_user_tokens_per_second
+            ),
+            "prefill_spill_lull_max_tokens": config.flow_control.prefill_spill_lull_max_tokens,
             "prefill_piece_min_tokens": config.flow_control.prefill_piece_min_tokens,
             "prefill_piece_tokens": config.flow_control.prefill_piece_tokens,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,

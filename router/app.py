@@ -480,6 +480,8 @@ class Router:
             self._record_decision(decision, rreq)
             if d.spilled:
                 self.metrics.prefill_spills.inc()
+                if getattr(d.ticket, "spill_lull", False):
+                    self.metrics.prefill_lull_spills.inc()
             protect = self._pool_roles is None or self._pool_roles.mode == "split"
             if self._pace_hold is not None and protect:
                 await self._hold_for_pace(d, self._pace_hold)

@@ -220,6 +220,12 @@ class RouterMetrics:
             "worker that had room for them (flow.prefill_spill_after_s).",
             registry=r,
         )
+        self.prefill_lull_spills = Counter(
+            "beamserve_router_prefill_lull_spills",
+            "Of those, the ones spilled in a lull of new sessions, by the lull's looser rule "
+            "(flow.prefill_spill_lull_s).",
+            registry=r,
+        )
         self.disaggregated = Counter(
             "beamserve_router_disaggregated", "Requests prefilled on the prefill pool.", registry=r
         )

@@ -142,6 +142,7 @@ class RouterRuntime:
             self._prefill_stage_loads,
             disagg.params.min_uncached_tokens,
             self._spill_target if self._spill_rule is not None else None,
+            self._lull_spill_target if self._spill_rule is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url, op_timeout_s=c.redis_op_timeout_s)
@@ -311,12 +312,22 @@ class RouterRuntime:
         """The decode worker (one that receives KV handoffs, healthy) that can prefill a held
         new session of `cost` tokens itself now, the roomiest first; `pending`: tokens
         spilled to each and not routed yet (`FlowConfig.prefill_spill`)."""
+        return self._find_spill(cost, pending, lull=False)
+
+    def _lull_spill_target(self, cost: int, pending: Mapping[str, int]) -> str | None:
+        """`_spill_target` in a lull of new sessions (`FlowConfig.prefill_spill_lull_s`): the
+        users kept at the lull's speed, the queued prefill within the lull's bound."""
+        return self._find_spill(cost, pending, lull=True)
+
+    def _find_spill(self, cost: int, pending: Mapping[str, int], *, lull: bool) -> str | None:
         rule = self._spill_rule
         if rule is None:
             return None
         eps = self.endpoints()  # (first: it updates the pool roles' mode and spill line)
         if self.pool_roles is not None and not self.pool_roles.spilling:
             return None
+        max_tokens = rule.lull_max_tokens if lull else rule.max_tokens
+        user_tok_s = rule.lull_user_tok_s if lull else rule.user_tok_s
         now = self.loads.clock()
         best: tuple[int, str] | None = None
         for e in eps:
@@ -326,9 +337,9 @@ class RouterRuntime:
                 e.id,
                 cost + pending.get(e.id, 0),
                 now,
-                max_tokens=rule.max_tokens,
+                max_tokens=max_tokens,
                 margin_s=rule.margin_s,
-                user_tok_s=rule.user_tok_s,
+                user_tok_s=user_tok_s,
                 prefill_tok_s=rule.prefill_tok_s,
             )
             if queued is not None and (best is None or (queued, e.id) < best):

@@ -505,6 +505,13 @@ def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
 
 
 _SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000)
+# `beamserve-adaptive-lull`: that, and the spill in a lull of new sessions (none for 2 s: the
+# users kept at 10 tokens/s, 160K tokens queued at most; docs/bench/agentic.md, "The end of a
+# burst drained in a lull")
+_LULL_SPILL = pd_rule_adaptive(
+    6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000,
+    lull_s=2.0, lull_user_tok_s=10.0, lull_max_tokens=163840,
+)  # fmt: skip
 
 
 def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
@@ -536,6 +543,7 @@ def _router_specs() -> dict[str, RouterSpec]:
         _adaptive("beamserve-adaptive-3", pd_rule_adaptive(3.0)),
         _adaptive("beamserve-adaptive-10", pd_rule_adaptive(10.0)),
         _adaptive("beamserve-adaptive-spill", _SHIPPED_SPILL),
+        _adaptive("beamserve-adaptive-lull", _LULL_SPILL),
         _adaptive("beamserve-adaptive-spill-unpriced", pd_rule_adaptive(6.0, spill_after_s=0.3)),
         _adaptive("beamserve-adaptive-spill-wide",
                   pd_rule_adaptive(6.0, 0.3, max_tokens=98304, margin_s=0.0)),

@@ -141,6 +141,21 @@ room. Contract:
   workers), and the run took 94–96 s instead of 85 s. A split request's booking on its prefill
   worker ends when the prefill leg answers (`RoutingCore.prefill_hook`), not at the decode worker's
   first token. Without prefill workers nothing of this applies.
+  **The spill in a lull** (`prefill_spill_lull_s`, off by default): once no new item of the band
+  has arrived for that long while some are held at the closed stage, the spill reckons the decode
+  workers' users at `prefill_spill_lull_user_tok_s` (default 10) instead, and bounds their queued
+  prefill at `prefill_spill_lull_max_tokens` (default: the spill's own); the next arrival ends the
+  lull (`PrefillStage.lull_spill`, `FlowController.lull_spilled`). The end of a burst is why:
+  past the knee the stage holds a backlog of new sessions (over HTTP at 128 agents on 4 sim
+  workers, ≈ 2M prompt tokens, 50–60 first turns, waiting ≈ 25 s) that only the two prefill
+  workers and the priced spill drain. While new sessions keep arriving, holding them protects
+  the users decoding; once they stop, the backlog is all the new work there will be, and every
+  second it takes to drain is a second added to the end of the burst, when the decode workers'
+  users are ever fewer. Measured over HTTP (docs/bench/agentic.md, "The end of a burst drained
+  in a lull"; 128 agents): the run ended 1–6 s sooner and its throughput was 0.8–4.6 % higher
+  than the same pool's without the lull in the same run (six pairs), while goodput dropped
+  6–36 % (the users slowed for those seconds miss 20 tokens/s): a trade, so off by default.
+  Only while the spill itself is on (`pool_roles`' spill line).
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -236,6 +251,9 @@ class FlowConfig(BaseModel):
     | `prefill_spill_tok_s` | ``null`` | … priced at this rate (null: `pace_hold_prefill_tok_s`) |
     | `prefill_spill_user_tok_s` | ``null`` | … against users kept at this speed (null: |
     |  |  | `pace_hold_user_tok_s`) |
+    | `prefill_spill_lull_s` | off | no new item for this long: the spill in a lull (module |
+    |  |  | docstring), users kept at `prefill_spill_lull_user_tok_s` (``10``), queued |
+    |  |  | prefill within `prefill_spill_lull_max_tokens` (null: the spill's) |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
@@ -263,6 +281,9 @@ class FlowConfig(BaseModel):
     prefill_spill_margin_s: float = Field(default=0.5, ge=0)
     prefill_spill_tok_s: float | None = Field(default=None, gt=0)
     prefill_spill_user_tok_s: float | None = Field(default=None, gt=0)
+    prefill_spill_lull_s: float | None = Field(default=None, gt=0)
+    prefill_spill_lull_user_tok_s: float = Field(default=10.0, gt=0)
+    prefill_spill_lull_max_tokens: int | None = Field(default=None, ge=1)
     pace_hold_tokens: int | None = Field(default=None, ge=1)
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
@@ -273,6 +294,11 @@ class FlowConfig(BaseModel):
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:
         config = parse_strict(cls, values, "flow")
+        if config.prefill_spill_lull_s is not None and config.prefill_spill_after_s is None:
+            raise FlowConfigError(
+                "flow: 'prefill_spill_lull_s' changes the prefill stage's spill in a lull, and "
+                "the spill is off: set 'prefill_spill_after_s' too, or remove it"
+            )
         after = config.lifo_after_s
         if after is not None and after >= config.lifo_max_wait_s:
             raise FlowConfigError(
@@ -308,6 +334,9 @@ class FlowConfig(BaseModel):
             self.prefill_spill_margin_s,
             self.prefill_spill_user_tok_s or self.pace_hold_user_tok_s,
             self.prefill_spill_tok_s or self.pace_hold_prefill_tok_s,
+            self.prefill_spill_lull_s,
+            self.prefill_spill_lull_user_tok_s,
+            self.prefill_spill_lull_max_tokens or self.prefill_spill_max_tokens,
         )
 
     def band_limit(self, band: Band) -> int:
@@ -364,6 +393,9 @@ class PrefillSpill:
     margin_s: float
     user_tok_s: float
     prefill_tok_s: float
+    lull_s: float | None = None
+    lull_user_tok_s: float = 10.0
+    lull_max_tokens: int = 49152
 
 
 SPILL_POLL_S = 0.05  # while a spill waits for a decode worker's room, how often to look
@@ -383,6 +415,7 @@ class PrefillStage:
     loads: Callable[[], list[WorkerLoad]]
     min_tokens: int = 0
     spill: SpillTarget | None = None
+    lull_spill: SpillTarget | None = None
 
 
 class Ticket:
@@ -401,6 +434,7 @@ class Ticket:
         self.released = False
         # The prefill stage spilled it (module docstring): the decode worker that prefills it
         self.spill_to: str | None = None
+        self.spill_lull = False  # … spilled by the rule of a lull in new items
 
     def routed(self) -> None:
         """The request was routed and its load booked (`RoutingCore.route` calls this): the
@@ -448,6 +482,7 @@ class FlowController:
         self._queues: dict[Band, dict[str, deque[_Item]]] = {b: {} for b in BANDS}
         self._queued: dict[Band, int] = dict.fromkeys(BANDS, 0)
         self._submitted: dict[Band, int] = dict.fromkeys(BANDS, 0)
+        self._last_submit: dict[Band, float] = dict.fromkeys(BANDS, -math.inf)
         self._admitted: dict[Band, int] = dict.fromkeys(BANDS, 0)
         self._cancelled: dict[Band, int] = dict.fromkeys(BANDS, 0)
         self._shed: dict[tuple[Band, ShedReason], int] = {
@@ -491,6 +526,7 @@ class FlowController:
         self._spill_check_at = math.inf  # when `_spill_held` wants to look again
         self.spilled = 0  # items the stage spilled to a decode worker (a counter)
         self.spill_yields = 0  # spill checks that yielded to an overdue short item (a counter)
+        self.lull_spilled = 0  # of `spilled`, those spilled in a lull of new items (a counter)
 
     # --- public --------------------------------------------------------------------------------
 
@@ -516,6 +552,7 @@ class FlowController:
             future=self._loop.create_future(),
         )
         self._submitted[band] += 1
+        self._last_submit[band] = now
         self._enqueue(item, now)  # raises Shed when refused
         self._pump()
         try:
@@ -755,7 +792,9 @@ class FlowController:
             pending: dict[str, int] = {}
             for worker, cost in self._spilling.values():
                 pending[worker] = pending.get(worker, 0) + cost
-            target = stage.spill(item.cost, pending)
+            lull = self._lull(band, now)
+            find = stage.lull_spill if lull and stage.lull_spill is not None else stage.spill
+            target = find(item.cost, pending)
             if target is None:
                 # the decode workers' users may gain slack as they stream: look again soon
                 self._spill_check_at = min(self._spill_check_at, now + SPILL_POLL_S)
@@ -763,8 +802,20 @@ class FlowController:
             self._dispatch(item, now)
             if item.ticket is not None:
                 item.ticket.spill_to = target
+                item.ticket.spill_lull = find is stage.lull_spill
                 self._spilling[item.ticket] = (target, item.cost)
             self.spilled += 1
+            self.lull_spilled += find is stage.lull_spill
+
+    def _lull(self, band: Band, now: float) -> bool:
+        """No new item of `band` has arrived for the spill's `lull_s` (module docstring, "The
+        spill in a lull")."""
+        rule = self._spill
+        return (
+            rule is not None
+            and rule.lull_s is not None
+            and (now - self._last_submit[band] >= rule.lull_s)
+        )
 
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest

@@ -282,6 +282,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "disaggregation": {"poolRoles": {"spillStopBelowSessionsPerWorker": 4}},
         "flowControl": {"prefillSpillAfterSeconds": 0.3}}),
      "spec.router.disaggregation.poolRoles"),
+    ("spill lull with the spill off", S.aggregated(both={"replicas": 4}, router={
+        "flowControl": {"prefillSpillLullSeconds": 2}}),
+     "spec.router.flowControl.prefillSpillLullSeconds"),
+    ("spill lull speed zero", S.aggregated(both={"replicas": 4}, router={"flowControl": {
+        "prefillSpillAfterSeconds": 0.3, "prefillSpillLullUserTokensPerSecond": 0}}),
+     "spec.router.flowControl.prefillSpillLullUserTokensPerSecond"),
     # rollout
     ("no rollout progress", S.disagg(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
      "spec.rollout.maxSurge"),
@@ -340,6 +346,11 @@ def test_invalid_spec_names_the_field(spec: dict[str, Any], path: str) -> None:
                                              "spillStopBelowSessionsPerWorker": 0}},
             "flowControl": {"prefillSpillAfterSeconds": 0.3,
                             "prefillSpillUserTokensPerSecond": 12}}),
+        S.aggregated(both={"replicas": 4}, router={
+            "disaggregation": {"poolRoles": {"prefillWorkers": 2, "spillAtSessionsPerWorker": 24}},
+            "flowControl": {"prefillSpillAfterSeconds": 0.3, "prefillSpillLullSeconds": 2,
+                            "prefillSpillLullUserTokensPerSecond": 6,
+                            "prefillSpillLullMaxTokens": 262144}}),
         S.aggregated(engine={"name": "sim", "image": D, "api": "vllm"}, both={"replicas": 2,
             "tp": 1}, router={"disaggregation": {"poolRoles": {}}}),
         S.disagg(decode={"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},

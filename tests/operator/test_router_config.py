@@ -105,6 +105,23 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
         90000,
         14,
     )
+    assert rule.lull_s is None  # the lull: off by default
+    lull = {
+        **CONFIG,
+        "flowControl": {
+            "prefillSpillAfterSeconds": 0.3,
+            "prefillSpillMaxTokens": 98304,
+            "prefillSpillLullSeconds": 2,
+            "prefillSpillLullUserTokensPerSecond": 6,
+        },
+    }
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lull))["flow"])
+    rule = flow.prefill_spill()
+    assert rule is not None and (rule.lull_s, rule.lull_user_tok_s, rule.lull_max_tokens) == (
+        2,
+        6,
+        98304,  # the spill's own bound: prefillSpillLullMaxTokens left null
+    )
     lined = {
         **CONFIG,
         "disaggregation": {

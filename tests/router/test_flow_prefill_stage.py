@@ -361,7 +361,7 @@ def test_a_held_item_spills_to_a_decode_worker_with_room_once_it_waited_long_eno
         await later(c, 1.0)
         assert fut.done()
         t: Ticket = fut.result()
-        assert t.spill_to == "d1" and c.spilled == 1
+        assert t.spill_to == "d1" and c.spilled == 1 and not t.spill_lull
         assert not c._unrouted  # it takes no prefill worker's room
         t.routed()
         t.release()
@@ -461,6 +461,83 @@ def test_the_stage_with_room_or_no_spill_rule_never_spills() -> None:
         await settle()
         assert not fut.done() and not dec.asked
         fut.cancel()
+        await settle()
+
+    asyncio.run(main())
+
+
+# --- the spill in a lull of new sessions (FlowConfig.prefill_spill_lull_s) ---------------------
+
+
+def lulling(pool: Pool, normal: Decoders, lull: Decoders, **config: Any) -> FlowController:
+    c = make(pool, prefill_spill_after_s=1.0, prefill_spill_lull_s=2.0, **config)
+    c.prefill_stage = PrefillStage(pool.loads, 2048, normal, lull)
+    return c
+
+
+def test_once_new_sessions_stop_arriving_the_held_ones_spill_by_the_lull_s_rule() -> None:
+    """While new sessions keep arriving, a held one spills only where the spill's own rule finds
+    room (here: nowhere); once none has arrived for `prefill_spill_lull_s`, the lull's rule
+    (the users kept at a lower speed) is asked and the held ones go."""
+
+    async def main() -> None:
+        pool = Pool(50000, 50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=100000)
+        c = lulling(pool, normal, lull)
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        await settle()
+        await later(c, 1.5)  # held 1.5 s, the last arrival 1.5 s ago: no lull yet
+        assert not a.done() and normal.asked and not lull.asked
+        b = asyncio.ensure_future(c.admit("new", "b", 20000))  # another arrival
+        await settle()
+        await later(c, 1.5)  # 1.5 s since b: still no lull
+        assert not a.done() and not b.done() and not lull.asked
+        await later(c, 0.6)  # 2.1 s since b arrived: a lull
+        assert a.done() and b.done(), "the lull's rule had room for both"
+        assert a.result().spill_to == b.result().spill_to == "d1"
+        assert a.result().spill_lull and b.result().spill_lull
+        assert c.spilled == 2 and c.lull_spilled == 2
+        for f in (a, b):
+            f.result().routed()
+            f.result().release()
+        assert c.stats().in_flight == 0 and not c._spilling
+
+    asyncio.run(main())
+
+
+def test_a_new_arrival_ends_the_lull() -> None:
+    async def main() -> None:
+        pool = Pool(50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=30000)
+        c = lulling(pool, normal, lull)
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        await settle()
+        await later(c, 2.5)
+        assert a.done() and c.lull_spilled == 1  # a lull: it went by the lull's rule
+        b = asyncio.ensure_future(c.admit("new", "b", 10000))
+        await settle()
+        asked = len(lull.asked)
+        await later(c, 1.2)  # b held 1.2 s, but it arrived 1.2 s ago: the spill's own rule
+        assert not b.done() and len(lull.asked) == asked and normal.asked[-1][0] == 10000
+        a.result().release()
+        b.cancel()
+        await settle()
+        assert c.stats().in_flight == 0 and not c._spilling
+
+    asyncio.run(main())
+
+
+def test_without_a_lull_rule_the_spill_never_asks_for_one() -> None:
+    async def main() -> None:
+        pool = Pool(50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=10**6)
+        c = make(pool, prefill_spill_after_s=1.0)  # prefill_spill_lull_s: off (the default)
+        c.prefill_stage = PrefillStage(pool.loads, 2048, normal, lull)
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        await settle()
+        await later(c, 30.0)
+        assert not a.done() and normal.asked and not lull.asked
+        a.cancel()
         await settle()
 
     asyncio.run(main())

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.discovery import StaticDiscovery, parse_endpoint_specs
+from beamserve.router.facts import WorkerFacts
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.load import LoadBook
 from beamserve.router.policy import build_policy
@@ -121,6 +122,36 @@ def test_a_slower_protected_speed_leaves_room_where_the_pace_hold_s_would_not() 
     core.finish(d)
 
 
+def test_in_a_lull_the_router_finds_room_at_the_lull_s_speed_and_bound() -> None:
+    """`RouterRuntime`'s two spill targets over the same books: a user on pace at 20 tokens/s
+    leaves no room by the spill's rule and room by the lull's (10 tokens/s); the lull's own
+    bound on queued prefill holds."""
+    flow = {
+        "prefill_spill_after_s": 0.3,
+        "prefill_spill_margin_s": 0.0,
+        "prefill_spill_lull_s": 2.0,
+        "prefill_spill_lull_max_tokens": 20_000,
+    }
+    rt = RouterRuntime(StaticDiscovery(pd_pool()), RuntimeConfig(scrape_interval_s=3600, flow=flow))
+    rt._discovered = pd_pool()  # what discovery and the workers' reports would have given
+    for ep in rt._discovered:
+        rt.facts.learned(ep, WorkerFacts(api="vllm"))
+    clock = Clock()
+    rt.loads.clock = clock
+    rt.core.clock = clock
+    d = rt.core.open(RouteRequest("u", prompt_tokens=100, max_tokens=100, session_id="u"))
+    rt.core.route(d, [pd_pool()[1]])
+    rt.core.first_token(d)
+    assert d.flight is not None
+    clock.t += 2.5
+    d.flight.tokens = 50  # on pace at 20 tokens/s: no slack; seconds ahead at 10
+    d1, d2 = pd_pool()[1].id, pd_pool()[2].id
+    assert rt._spill_target(10_000, {d2: 10**6}) is None
+    assert rt._lull_spill_target(10_000, {d2: 10**6}) == d1
+    assert rt._lull_spill_target(25_000, {d2: 10**6}) is None  # over the lull's 20,000
+    rt.core.finish(d)
+
+
 # --- the core: a spilled ticket goes where the gate found room, prefilled there ----------------
 
 
@@ -166,6 +197,16 @@ def test_config_is_off_by_default_and_checked() -> None:
     assert (rule := slower.prefill_spill()) is not None and rule.user_tok_s == 12
     with pytest.raises(FlowConfigError, match="prefill_spill_user_tok_s"):
         FlowConfig.from_mapping({"prefill_spill_user_tok_s": -1})
+    assert rule.lull_s is None  # the lull: off unless asked for
+    lull = FlowConfig.from_mapping(
+        {"prefill_spill_after_s": 1.0, "prefill_spill_max_tokens": 9000, "prefill_spill_lull_s": 2}
+    ).prefill_spill()
+    assert lull is not None and (lull.lull_s, lull.lull_user_tok_s) == (2.0, 10.0)
+    assert lull.lull_max_tokens == 9000  # the spill's bound unless the lull has its own
+    with pytest.raises(FlowConfigError, match="prefill_spill_lull_s"):
+        FlowConfig.from_mapping({"prefill_spill_lull_s": 0})
+    with pytest.raises(FlowConfigError, match="set 'prefill_spill_after_s' too"):
+        FlowConfig.from_mapping({"prefill_spill_lull_s": 2})  # a lull of a spill that is off
     try:
         FlowConfig.from_mapping({"prefill_spill_max_tokens": 0})
     except FlowConfigError as e:
@@ -180,14 +221,16 @@ LONG = "line of output " * 2500
 URL = "/v1/chat/completions"
 
 
-@pytest.mark.parametrize("pieces", [False, True])
+@pytest.mark.parametrize("mode", ["whole", "pieces", "lull"])
 def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
-    spawn_worker: SpawnWorker, pieces: bool
+    spawn_worker: SpawnWorker, mode: str
 ) -> None:
     """Session a's long first prompt goes to the prefill worker; b's, arriving while that
     prefill runs (the stage closed: a gate of 1 token), spills to the decode worker and is
     prefilled there — with the prefill in pieces on, a piece at a time (a's, split, never);
-    both answers arrive and nothing stays booked."""
+    in `lull` mode the spill's own rule has no room (1 token) and b goes by the lull's, once
+    no new session has come for 50 ms; both answers arrive and nothing stays booked."""
+    pieces = mode == "pieces"
     p = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--role", "prefill")
     d = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--role", "decode")
     eps = parse_endpoint_specs(
@@ -196,6 +239,12 @@ def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
     flow: dict[str, Any] = {"prefill_gate_tokens": 1, "prefill_spill_after_s": 0.0}
     if pieces:
         flow |= {"prefill_piece_min_tokens": 2048, "prefill_piece_tokens": 1024}
+    if mode == "lull":
+        flow |= {
+            "prefill_spill_max_tokens": 1,
+            "prefill_spill_lull_s": 0.05,
+            "prefill_spill_lull_max_tokens": 10**6,
+        }
     rt = RouterRuntime(
         StaticDiscovery(eps),
         RuntimeConfig(
@@ -225,6 +274,7 @@ def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
             assert "prefill=-" in route_b and f"decode={eps[1].id}" in route_b, route_b
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_prefill_spills_total") == 1
+            assert metric(text, "beamserve_router_prefill_lull_spills_total") == (mode == "lull")
             assert metric(text, "beamserve_router_disaggregated_total") == 1
             # b's prompt (≈ 10K tokens) in 1,024-token pieces: several, all found cached
             sent = metric(text, "beamserve_router_prefill_pieces_total")
