@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -14,7 +15,7 @@ from beamserve.operator.router_config import (
     load_router_config,
     router_flags,
 )
-from beamserve.router.flow.controller import FlowConfig
+from beamserve.router.flow.controller import FlowConfig, PrefillSpill
 from beamserve.router.flow.saturation import SaturationConfig
 from beamserve.router.policy import build_policy
 from beamserve.router.policy.disagg import ConditionalDisaggregation
@@ -90,38 +91,32 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     raw = {**CONFIG, "saturation": {"capWorkersAtThreshold": False}}
     flags_raw = router_flags(RouterConfig.model_validate(raw))
     assert SaturationConfig.from_mapping(flags_raw["saturation"]).cap_workers_at_threshold is False
-    spill = {
-        **CONFIG,
-        "flowControl": {
+
+    def spill_rule(flow_control: dict[str, Any]) -> PrefillSpill:
+        spec = RouterConfig.model_validate({**CONFIG, "flowControl": flow_control})
+        rule = FlowConfig.from_mapping(router_flags(spec)["flow"]).prefill_spill()
+        assert rule is not None
+        return rule
+
+    rule = spill_rule(
+        {
             "prefillSpillAfterSeconds": 0.3,
             "prefillSpillTokensPerSecond": 90000,
             "prefillSpillUserTokensPerSecond": 14,
-        },
-    }
-    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spill))["flow"])
-    rule = flow.prefill_spill()
-    assert rule is not None and (rule.after_s, rule.prefill_tok_s, rule.user_tok_s) == (
-        0.3,
-        90000,
-        14,
+        }
     )
+    assert (rule.after_s, rule.prefill_tok_s, rule.user_tok_s) == (0.3, 90000, 14)
     assert rule.lull_s is None  # the lull: off by default
-    lull = {
-        **CONFIG,
-        "flowControl": {
+    rule = spill_rule(
+        {
             "prefillSpillAfterSeconds": 0.3,
             "prefillSpillMaxTokens": 98304,
             "prefillSpillLullSeconds": 2,
             "prefillSpillLullUserTokensPerSecond": 6,
-        },
-    }
-    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lull))["flow"])
-    rule = flow.prefill_spill()
-    assert rule is not None and (rule.lull_s, rule.lull_user_tok_s, rule.lull_max_tokens) == (
-        2,
-        6,
-        98304,  # the spill's own bound: prefillSpillLullMaxTokens left null
+        }
     )
+    # the spill's own bound: prefillSpillLullMaxTokens left null
+    assert (rule.lull_s, rule.lull_user_tok_s, rule.lull_max_tokens) == (2, 6, 98304)
     lined = {
         **CONFIG,
         "disaggregation": {
