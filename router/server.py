@@ -142,7 +142,6 @@ class RouterRuntime:
             self._prefill_stage_loads,
             disagg.params.min_uncached_tokens,
             self._spill_target if self._spill_rule is not None else None,
-            self._lull_spill_target if self._spill_rule is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
         self.sessions = make_session_store(c.redis_url, op_timeout_s=c.redis_op_timeout_s)
@@ -308,18 +307,14 @@ class RouterRuntime:
             self.loads.load(e.id) for e in self.endpoints() if e.can_prefill and not e.can_decode
         ]
 
-    def _spill_target(self, cost: int, pending: Mapping[str, int]) -> str | None:
+    def _spill_target(
+        self, cost: int, pending: Mapping[str, int], lull: bool = False
+    ) -> str | None:
         """The decode worker (one that receives KV handoffs, healthy) that can prefill a held
         new session of `cost` tokens itself now, the roomiest first; `pending`: tokens
-        spilled to each and not routed yet (`FlowConfig.prefill_spill`)."""
-        return self._find_spill(cost, pending, lull=False)
-
-    def _lull_spill_target(self, cost: int, pending: Mapping[str, int]) -> str | None:
-        """`_spill_target` in a lull of new sessions (`FlowConfig.prefill_spill_lull_s`): the
-        users kept at the lull's speed, the queued prefill within the lull's bound."""
-        return self._find_spill(cost, pending, lull=True)
-
-    def _find_spill(self, cost: int, pending: Mapping[str, int], *, lull: bool) -> str | None:
+        spilled to each and not routed yet (`FlowConfig.prefill_spill`). In a lull of new
+        sessions (`lull`, `FlowConfig.prefill_spill_lull_s`) the users are kept at the lull's
+        speed and the queued prefill within the lull's bound."""
         rule = self._spill_rule
         if rule is None:
             return None

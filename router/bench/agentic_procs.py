@@ -508,10 +508,15 @@ _SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0
 # `beamserve-adaptive-lull`: that, and the spill in a lull of new sessions (none for 2 s: the
 # users kept at 10 tokens/s, 160K tokens queued at most; docs/bench/agentic.md, "The end of a
 # burst drained in a lull")
-_LULL_SPILL = pd_rule_adaptive(
-    6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000,
-    lull_s=2.0, lull_user_tok_s=10.0, lull_max_tokens=163840,
-)  # fmt: skip
+_LULL_SPILL = _merged(
+    _SHIPPED_SPILL,
+    {
+        "prefill_spill_lull_s": 2.0,
+        "prefill_spill_lull_user_tok_s": 10.0,
+        "prefill_spill_lull_max_tokens": 163840,
+    },
+    {},
+)
 
 
 def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:

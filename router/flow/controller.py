@@ -145,17 +145,17 @@ room. Contract:
   has arrived for that long while some are held at the closed stage, the spill reckons the decode
   workers' users at `prefill_spill_lull_user_tok_s` (default 10) instead, and bounds their queued
   prefill at `prefill_spill_lull_max_tokens` (default: the spill's own); the next arrival ends the
-  lull (`PrefillStage.lull_spill`, `FlowController.lull_spilled`). The end of a burst is why:
-  past the knee the stage holds a backlog of new sessions (over HTTP at 128 agents on 4 sim
-  workers, ≈ 2M prompt tokens, 50–60 first turns, waiting ≈ 25 s) that only the two prefill
-  workers and the priced spill drain. While new sessions keep arriving, holding them protects
-  the users decoding; once they stop, the backlog is all the new work there will be, and every
-  second it takes to drain is a second added to the end of the burst, when the decode workers'
-  users are ever fewer. Measured over HTTP (docs/bench/agentic.md, "The end of a burst drained
-  in a lull"; 128 agents): the run ended 1–6 s sooner and its throughput was 0.8–4.6 % higher
-  than the same pool's without the lull in the same run (six pairs), while goodput dropped
-  6–36 % (the users slowed for those seconds miss 20 tokens/s): a trade, so off by default.
-  Only while the spill itself is on (`pool_roles`' spill line).
+  lull (the stage's `spill` asked with ``lull=True``; `FlowController.lull_spilled`). The end of a
+  burst is why: past the knee the stage holds a backlog of new sessions (over HTTP at 128 agents on
+  4 sim workers, ≈ 2M prompt tokens, 50–60 first turns, waiting ≈ 25 s) that only the two prefill
+  workers and the priced spill drain. While new sessions keep arriving, holding them protects the
+  users decoding; once they stop, the backlog is all the new work there will be, and every second
+  it takes to drain is a second added to the end of the burst, when the decode workers' users are
+  ever fewer. Measured over HTTP (docs/bench/agentic.md, "The end of a burst drained in a lull";
+  128 agents): the run ended 1–6 s sooner and its throughput was 0.8–4.6 % higher than the same
+  pool's without the lull in the same run (six pairs), while goodput dropped 6–36 % (the users
+  slowed for those seconds miss 20 tokens/s): a trade, so off by default. Only while the spill
+  itself is on (`pool_roles`' spill line).
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -393,15 +393,15 @@ class PrefillSpill:
     margin_s: float
     user_tok_s: float
     prefill_tok_s: float
-    lull_s: float | None = None
-    lull_user_tok_s: float = 10.0
-    lull_max_tokens: int = 49152
+    lull_s: float | None
+    lull_user_tok_s: float
+    lull_max_tokens: int
 
 
 SPILL_POLL_S = 0.05  # while a spill waits for a decode worker's room, how often to look
-# (cost of the item, tokens already spilled to each worker and not routed yet) → the decode
-# worker that can prefill it itself now, or None
-SpillTarget = Callable[[int, Mapping[str, int]], str | None]
+# (cost of the item, tokens already spilled to each worker and not routed yet, whether new items
+# are in a lull: `PrefillSpill.lull_s`) → the decode worker that can prefill it itself now, or None
+SpillTarget = Callable[[int, Mapping[str, int], bool], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +415,6 @@ class PrefillStage:
     loads: Callable[[], list[WorkerLoad]]
     min_tokens: int = 0
     spill: SpillTarget | None = None
-    lull_spill: SpillTarget | None = None
 
 
 class Ticket:
@@ -793,8 +792,7 @@ class FlowController:
             for worker, cost in self._spilling.values():
                 pending[worker] = pending.get(worker, 0) + cost
             lull = self._lull(band, now)
-            find = stage.lull_spill if lull and stage.lull_spill is not None else stage.spill
-            target = find(item.cost, pending)
+            target = stage.spill(item.cost, pending, lull)
             if target is None:
                 # the decode workers' users may gain slack as they stream: look again soon
                 self._spill_check_at = min(self._spill_check_at, now + SPILL_POLL_S)
@@ -802,10 +800,10 @@ class FlowController:
             self._dispatch(item, now)
             if item.ticket is not None:
                 item.ticket.spill_to = target
-                item.ticket.spill_lull = find is stage.lull_spill
+                item.ticket.spill_lull = lull
                 self._spilling[item.ticket] = (target, item.cost)
             self.spilled += 1
-            self.lull_spilled += find is stage.lull_spill
+            self.lull_spilled += lull
 
     def _lull(self, band: Band, now: float) -> bool:
         """No new item of `band` has arrived for the spill's `lull_s` (module docstring, "The

@@ -339,7 +339,7 @@ class Decoders:
         self.room = room
         self.asked: list[tuple[int, dict[str, int]]] = []
 
-    def __call__(self, cost: int, pending: Any) -> str | None:
+    def __call__(self, cost: int, pending: Any, lull: bool = False) -> str | None:
         self.asked.append((cost, dict(pending)))
         fits = [w for w, r in self.room.items() if cost + pending.get(w, 0) <= r]
         return max(fits, key=lambda w: self.room[w] - pending.get(w, 0)) if fits else None
@@ -469,9 +469,19 @@ def test_the_stage_with_room_or_no_spill_rule_never_spills() -> None:
 # --- the spill in a lull of new sessions (FlowConfig.prefill_spill_lull_s) ---------------------
 
 
+class ByLull:
+    """The runtime's spill target, asked in a lull or not: `normal`'s room, or `lull`'s."""
+
+    def __init__(self, normal: Decoders, lull: Decoders) -> None:
+        self.normal, self.lull = normal, lull
+
+    def __call__(self, cost: int, pending: Any, lull: bool) -> str | None:
+        return (self.lull if lull else self.normal)(cost, pending)
+
+
 def lulling(pool: Pool, normal: Decoders, lull: Decoders, **config: Any) -> FlowController:
     c = make(pool, prefill_spill_after_s=1.0, prefill_spill_lull_s=2.0, **config)
-    c.prefill_stage = PrefillStage(pool.loads, 2048, normal, lull)
+    c.prefill_stage = PrefillStage(pool.loads, 2048, ByLull(normal, lull))
     return c
 
 
@@ -532,7 +542,7 @@ def test_without_a_lull_rule_the_spill_never_asks_for_one() -> None:
         pool = Pool(50000)
         normal, lull = Decoders(d1=0), Decoders(d1=10**6)
         c = make(pool, prefill_spill_after_s=1.0)  # prefill_spill_lull_s: off (the default)
-        c.prefill_stage = PrefillStage(pool.loads, 2048, normal, lull)
+        c.prefill_stage = PrefillStage(pool.loads, 2048, ByLull(normal, lull))
         a = asyncio.ensure_future(c.admit("new", "a", 30000))
         await settle()
         await later(c, 30.0)

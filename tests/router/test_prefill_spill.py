@@ -123,9 +123,9 @@ def test_a_slower_protected_speed_leaves_room_where_the_pace_hold_s_would_not() 
 
 
 def test_in_a_lull_the_router_finds_room_at_the_lull_s_speed_and_bound() -> None:
-    """`RouterRuntime`'s two spill targets over the same books: a user on pace at 20 tokens/s
-    leaves no room by the spill's rule and room by the lull's (10 tokens/s); the lull's own
-    bound on queued prefill holds."""
+    """`RouterRuntime`'s spill target, in a lull and not, over the same books: a user on pace
+    at 20 tokens/s leaves no room by the spill's rule and room by the lull's (10 tokens/s);
+    the lull's own bound on queued prefill holds."""
     flow = {
         "prefill_spill_after_s": 0.3,
         "prefill_spill_margin_s": 0.0,
@@ -147,8 +147,8 @@ def test_in_a_lull_the_router_finds_room_at_the_lull_s_speed_and_bound() -> None
     d.flight.tokens = 50  # on pace at 20 tokens/s: no slack; seconds ahead at 10
     d1, d2 = pd_pool()[1].id, pd_pool()[2].id
     assert rt._spill_target(10_000, {d2: 10**6}) is None
-    assert rt._lull_spill_target(10_000, {d2: 10**6}) == d1
-    assert rt._lull_spill_target(25_000, {d2: 10**6}) is None  # over the lull's 20,000
+    assert rt._spill_target(10_000, {d2: 10**6}, True) == d1  # in a lull
+    assert rt._spill_target(25_000, {d2: 10**6}, True) is None  # over the lull's 20,000
     rt.core.finish(d)
 
 
