@@ -292,7 +292,9 @@ class Disaggregated(Strategy):
     its cache may hold the context). `free`: an attribution row, not a strategy — the
     decode workers' own prefills of that kind ("continuing": later turns' new parts;
     "small-first": first turns under `local_below`) cost them nothing (the KV arrives after
-    that prefill's time on an idle worker)."""
+    that prefill's time on an idle worker). `loose`: decode workers whose users the spill
+    keeps at `loose_tok_s` tokens/s instead of the SLO's speed (0: not at all); `cap`: new
+    sessions go to the other decode workers while one has fewer than `cap` requests."""
 
     def __init__(
         self,
@@ -311,12 +313,18 @@ class Disaggregated(Strategy):
         spill: tuple[float, int, float] | None = None,
         pieces: tuple[int, int] | None = None,
         spill_pieces: int = 0,
+        loose: Sequence[str] = (),
+        loose_tok_s: float = 0.0,
+        cap: int = 0,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
         self.split_continuing, self.sticky = split_continuing, sticky
         self.free, self.pace_hold, self.sjf_window = free, pace_hold, sjf_window
         self.spill, self.pieces, self.spill_pieces = spill, pieces, spill_pieces
+        self.loose = set(loose)  # decode workers whose users the spill protects less
+        self.loose_tok_s = loose_tok_s  # … at this speed (0: not at all)
+        self.cap = cap  # new sessions go to the other decode workers while under this many
         self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
@@ -361,6 +369,10 @@ class Disaggregated(Strategy):
             and min(self.backlog(h, p) for p in self.prefill) >= (self.sjf_below)
         ):
             return self._spill_to(h, rec)
+        if self.cap:
+            firm = [w for w in self.decode if w not in self.loose and len(h.inflight[w]) < self.cap]
+            if firm:
+                return min(firm, key=lambda w: (len(h.inflight[w]), h.queued(w)))
         return min(self.decode, key=lambda w: (len(h.inflight[w]), h.queued(w)))
 
     def _spill_to(self, h: Loop, rec: Rec) -> str | None:
@@ -380,7 +392,10 @@ class Disaggregated(Strategy):
             if queued > most:
                 continue
             cost = h.s_per_prefill_token * queued
-            if any(s < cost + margin for s in h.slacks(d, now)):
+            if d not in self.loose:
+                if any(s < cost + margin for s in h.slacks(d, now)):
+                    continue
+            elif self.loose_tok_s and any(s < cost for s in h.slacks(d, now, self.loose_tok_s)):
                 continue
             if best is None or (queued, d) < best:
                 best = (queued, d)
@@ -579,6 +594,43 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             out[tag] = lambda tag=tag, after=after, most=most, margin=margin, sp=sp: Disaggregated(
                 tag, ws[:2], ws[2:], spill=(after, most, margin), spill_pieces=sp, **both
             )
+        out["pd-1p3d-pieces-spill-0.3-96k-0.0-p1024"] = lambda: Disaggregated(
+            "pd-1p3d-pieces-spill-0.3-96k-0.0-p1024",
+            ws[:1],
+            ws[1:],
+            spill=(0.3, 98304, 0.0),
+            spill_pieces=1024,
+            **both,
+        )
+        # 2026-12-06: one decode worker whose users the spill protects less (`lt` tokens/s;
+        # 0: not at all), new sessions kept off it while the other has under `cap` …
+        for lt in (0, 10):
+            for cap in (0, 32, 48, 64):
+                tag = f"pd-2p2d-pieces-spill-loose1-32k-{lt}-cap{cap}"
+                out[tag] = lambda tag=tag, lt=lt, cap=cap: Disaggregated(
+                    tag,
+                    ws[:2],
+                    ws[2:],
+                    spill=(0.3, 32768, 0.0),
+                    spill_pieces=1024,
+                    loose=ws[3:],
+                    loose_tok_s=lt,
+                    cap=cap,
+                    **both,
+                )
+        # … and the spill keeping every decode worker's users at `lt` tokens/s (20: the SLO's)
+        for lt in (10, 12, 15, 16, 17, 18, 19, 20):
+            tag = f"pd-2p2d-pieces-spill-all-96k-{lt}"
+            out[tag] = lambda tag=tag, lt=lt: Disaggregated(
+                tag,
+                ws[:2],
+                ws[2:],
+                spill=(0.3, 98304, 0.0),
+                spill_pieces=1024,
+                loose=ws[2:],
+                loose_tok_s=lt,
+                **both,
+            )
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
             "pd-2p2d-spill-no-bound", ws[:2], ws[2:], spill=(0.0, 10**9, 0.0), **built
         )
@@ -667,13 +719,14 @@ class Loop:
                 act[w] += 1
         return act
 
-    def slacks(self, worker: str, now: float) -> list[float]:
-        """Seconds each decoding request on `worker` can still lose and end at the SLO's speed."""
+    def slacks(self, worker: str, now: float, tok_s: float = SLO_TOK_S) -> list[float]:
+        """Seconds each decoding request on `worker` can still lose and end at `tok_s` (default
+        the SLO's speed)."""
         out = []
         for r in self.inflight[worker]:
             if r.first is None:
                 continue
-            deadline = r.first + r.out / SLO_TOK_S
+            deadline = r.first + r.out / tok_s
             out.append(deadline - now - (r.out - r.ntok) * self.s_per_decode_step)
         return out
 
@@ -690,6 +743,46 @@ class Loop:
         if self.held or any(self.inflight.values()):
             raise RuntimeError(f"{self.strategy.name}: requests left held or in flight")
         return self.recs
+
+    def write_records(self, path: Path) -> None:
+        """The run's requests, one JSON line each, in the HTTP bench's `requests.jsonl` form
+        (`--logs`), so that one analysis reads both; plus where each went, when it was
+        dispatched, and whether it was spilled."""
+        spilled = getattr(self.strategy, "spilled", set())
+        with open(path, "w") as fh:
+            for r in self.recs:
+                span = (r.end or 0.0) - (r.first or 0.0)
+                row = {
+                    "session": r.session,
+                    "turn": r.turn,
+                    "status": "ok",
+                    "sent_s": r.sent,
+                    "ttft_s": r.ttft if r.first is not None else None,
+                    "end_s": r.end,
+                    "user_tok_s": r.ntok / span if span > 0 else None,
+                    "prompt_tokens": r.prompt,
+                    "cached_tokens": r.cached,
+                    "output_tokens": r.ntok,
+                    "worker": r.worker,
+                    "dispatched_s": r.dispatched,
+                    "spilled": id(r) in spilled,
+                }
+                fh.write(json.dumps(row) + "\n")
+
+    def engine_totals(self) -> dict[str, dict[str, float]]:
+        """Per engine at the end of the run: prompt tokens, of them computed (not prefix
+        hits), generated tokens, busy seconds and preemptions."""
+        out = {}
+        for w, e in sorted(self.engines.items()):
+            st = e.stats()
+            out[w] = {
+                "prompt_tokens": st.prompt_tokens_total,
+                "computed_tokens": st.prompt_tokens_total - st.prefix_cache_hits_tokens,
+                "generated_tokens": st.generation_tokens_total,
+                "busy_s": round(st.busy_seconds, 2),
+                "preemptions": st.preemptions_total,
+            }
+        return out
 
     def _next_session(self) -> None:
         if self.queue:
@@ -826,7 +919,14 @@ def search(args: argparse.Namespace, progress: Callable[[str], None] | None = No
                 token_scale=args.token_scale,
                 seed=seed,
             )
-            runs.append(summarize(loop.run()))
+            summary = summarize(loop.run())
+            if getattr(args, "engine_stats", False):
+                summary["engines"] = loop.engine_totals()
+            if seed == 0 and getattr(args, "records", None):
+                folder = args.records / f"{name}-c{args.concurrency}"
+                folder.mkdir(parents=True, exist_ok=True)
+                loop.write_records(folder / "requests.jsonl")
+            runs.append(summary)
             if progress:
                 progress(name)
         g = [r["goodput_rps"] for r in runs]
@@ -915,6 +1015,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="runs per strategy (seed 0: no jitter)")
     p.add_argument("--strategies", default=None, help="comma-separated; default all")
     p.add_argument("--json", type=Path, default=None, help="write the rows here (and a .png)")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="write each strategy's seed-0 requests to DIR/STRATEGY-cN/requests.jsonl (the "
+        "HTTP bench's --logs form)",
+    )
+    p.add_argument(
+        "--engine-stats",
+        action="store_true",
+        help="print and keep each engine's totals (computed prompt tokens, busy seconds, …)",
+    )
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds: give at least 1")
@@ -931,6 +1043,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"budget {args.budget or 'profile'}, {args.seeds} seeds"
     )
     print_table(rows, title)
+    if args.engine_stats:
+        for row in rows:
+            for seed, run in enumerate(row["runs"]):
+                for w, t in run["engines"].items():
+                    print(row["strategy"], f"seed {seed}", w, t)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -269,3 +269,60 @@ def test_the_pieces_row_prefills_long_later_turns_a_piece_at_a_time(sessions) ->
     (n, work), (n0, work0) = decode_side(loop), decode_side(twin)
     assert n > n0  # the pieces
     assert work <= work0 * 1.05  # … cost no prefill twice
+
+
+class _SpeedDecoders(_Decoders):
+    """`_Decoders` whose one user per decode worker has `slack` seconds to spare at the SLO's
+    speed and `slow_slack` at any slower speed asked for."""
+
+    def __init__(self, now: float, slack: float, slow_slack: float) -> None:
+        super().__init__(now, slack, {"w2": 0, "w3": 0})
+        self.slow_slack = slow_slack
+
+    def slacks(self, worker: str, now: float, tok_s: float = ks.SLO_TOK_S) -> list[float]:
+        return [self.slack if tok_s >= ks.SLO_TOK_S else self.slow_slack]
+
+
+@pytest.mark.parametrize(
+    ("name", "slack", "slow_slack", "placed"),
+    [
+        # one loose decode worker (w3) whose users the spill does not protect: it takes a held
+        # first turn that would push the other's user under the SLO's speed
+        ("pd-2p2d-pieces-spill-loose1-32k-0-cap0", 0.1, 0.1, "w3"),
+        ("pd-2p2d-pieces-spill-loose1-32k-0-cap0", 9.0, 9.0, "w2"),  # both roomy: least-queued
+        # every decode worker loose at 15 tokens/s: room at that speed is enough …
+        ("pd-2p2d-pieces-spill-all-96k-15", 0.1, 9.0, "w2"),
+        # … and its want is not
+        ("pd-2p2d-pieces-spill-all-96k-15", 9.0, 0.1, None),
+    ],
+)
+def test_loose_decode_workers_take_spills_by_their_own_speed(
+    name: str, slack: float, slow_slack: float, placed: str | None
+) -> None:
+    strat = ks.strategies(4)[name]()
+    rec = ks.Rec("s", 0, 20_000, 16, 0.0, None)
+    pool = _SpeedDecoders(1.0, slack, slow_slack)
+    strat.legs = {"w0": {1: 60_000}, "w1": {1: 60_000}}  # both prefill workers' legs booked
+    assert strat.place(pool, rec) == placed
+
+
+def test_records_are_the_http_bench_s_request_lines(tmp_path: Path) -> None:
+    """`--records DIR`: each strategy's seed-0 run as the HTTP bench's `requests.jsonl`, one
+    line per request; `--engine-stats`: each engine's totals in the JSON rows."""
+    out = tmp_path / "rows.json"
+    ks.main(["--sessions", "6", "--max-turns", "3", "--concurrency", "6", "--seeds", "1",
+             "--strategies", "least-queued,pd-2p2d-spill", "--records", str(tmp_path),
+             "--engine-stats", "--json", str(out)])  # fmt: skip
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        lines = (tmp_path / f"{row['strategy']}-c6" / "requests.jsonl").read_text().splitlines()
+        recs = [json.loads(x) for x in lines]
+        assert len(recs) == row["runs"][0]["requests"]
+        assert all(r["end_s"] >= r["sent_s"] + r["ttft_s"] for r in recs)
+        engines = row["runs"][0]["engines"]
+        assert set(engines) == {"w0", "w1", "w2", "w3"}
+        assert sum(e["prompt_tokens"] for e in engines.values()) >= sum(
+            r["prompt_tokens"] for r in recs
+        )
