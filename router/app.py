@@ -546,6 +546,7 @@ class Router:
         model = turn.call.body.get("model") or rreq.model or self.settings.served_models[0]
         ep, sent, t0 = decision.decode, 0, self.core.clock()
         outcome = "done"
+        primed = len(ids) - f.prefill_tokens  # the prompt's tokens the worker holds so far
         for n in cuts:
             body = {"model": model, "prompt": ids[:n], "max_tokens": 1, "stream": False}
             try:
@@ -563,6 +564,9 @@ class Router:
                 )
                 break
             sent += 1
+            # that piece is prefilled: it waits on the worker no longer (`LoadBook.prefilled`)
+            self.core.loads.prefilled(f, n - primed)
+            primed = n
         self.metrics.prefill_pieces.inc(sent)
         self.metrics.pieced_prefills.labels(outcome).inc()
         d.pieced_tokens = cuts[sent - 1] if sent else 0

@@ -454,6 +454,26 @@ class LoadBook:
         if f.prefill_worker is not None:
             p.in_flight -= 1
 
+    def prefilled(self, f: Flight, tokens: int) -> int:
+        """`tokens` of a local prefill were computed ahead of the request itself (a piece of
+        the prefill in pieces, `beamserve.router.flow.pieces`, was answered): the engine holds
+        them cached, so they no longer wait there, and they leave the worker's books now — else
+        the spill's room, the pace hold and the saturation gate would read the whole prompt
+        as queued until the request's first token, while the engine has a piece at most.
+        Returns the tokens taken off (0 for a split flight or one past its prefill)."""
+        if f.prefill_worker is not None or f.prefill_released or not f.prefilling or f.done:
+            return 0
+        tokens = min(max(tokens, 0), f.prefill_tokens)
+        if tokens == 0:
+            return 0
+        f.prefill_tokens -= tokens
+        w = self._w(f.worker)
+        w.prefill_tokens -= tokens
+        if f.held:
+            w.held_tokens -= tokens
+        self._changed(f)
+        return tokens
+
     def prefill_leg_done(self, f: Flight) -> bool:
         """A split request's prefill leg answered: the prefill worker has computed the prompt,
         so its booking there ends now, before the decode worker's first token (which comes

@@ -272,7 +272,16 @@ def send_in_pieces(h: Loop, worker: str, rec: Rec, cached: int, piece: int) -> N
             output_tokens=1,
             block_hashes=pages[:n],
         )
-        h.engines[worker].submit(leg, lambda u: go(i + 1) if u.finished else None, stream=False)
+
+        def answered(u: RequestUpdate) -> None:
+            if not u.finished:
+                return
+            if h.piece_rtt_s > 0:  # the answer's way back and the next piece's way out
+                h.clock.call_at(u.time + h.piece_rtt_s, lambda: go(i + 1))
+            else:
+                go(i + 1)
+
+        h.engines[worker].submit(leg, answered, stream=False)
 
     h.hold_slot(worker, rec)
     go(0)
@@ -316,6 +325,7 @@ class Disaggregated(Strategy):
         loose: Sequence[str] = (),
         loose_tok_s: float = 0.0,
         cap: int = 0,
+        spill_tok_s: float | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
@@ -325,6 +335,7 @@ class Disaggregated(Strategy):
         self.loose = set(loose)  # decode workers whose users the spill protects less
         self.loose_tok_s = loose_tok_s  # … at this speed (0: not at all)
         self.cap = cap  # new sessions go to the other decode workers while under this many
+        self.spill_tok_s = spill_tok_s  # the spill's price of prefill (None: the loop's)
         self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
@@ -391,7 +402,8 @@ class Disaggregated(Strategy):
             queued = h.queued(d) + rec.prompt
             if queued > most:
                 continue
-            cost = h.s_per_prefill_token * queued
+            price = 1 / self.spill_tok_s if self.spill_tok_s else h.s_per_prefill_token
+            cost = price * queued
             if d not in self.loose:
                 if any(s < cost + margin for s in h.slacks(d, now)):
                     continue
@@ -618,6 +630,39 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
                     cap=cap,
                     **both,
                 )
+        # … the pace hold shorter or off …
+        for hold in (None, 0.5):
+            tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-hold-{hold or 'off'}"
+            out[tag] = lambda tag=tag, hold=hold: Disaggregated(
+                tag,
+                ws[:2],
+                ws[2:],
+                spill=(0.3, 98304, 0.0),
+                spill_pieces=1024,
+                **{**both, "pace_hold": (1024, hold) if hold else None},
+            )
+        # … held first turns oldest first, none ahead for being short (`sjf_window` 0) …
+        tag = "pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-fifo"
+        out[tag] = lambda tag=tag: Disaggregated(
+            tag,
+            ws[:2],
+            ws[2:],
+            spill=(0.3, 98304, 0.0),
+            spill_pieces=1024,
+            **{**both, "sjf_window": 0.0},
+        )
+        # … the spill priced as the HTTP router's (`prefill_spill_tok_s`) …
+        for tok_s in (60_000, 100_000):
+            tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-price-{tok_s // 1000}k"
+            out[tag] = lambda tag=tag, tok_s=tok_s: Disaggregated(
+                tag,
+                ws[:2],
+                ws[2:],
+                spill=(0.3, 98304, 0.0),
+                spill_pieces=1024,
+                spill_tok_s=tok_s,
+                **both,
+            )
         # … and the spill keeping every decode worker's users at `lt` tokens/s (20: the SLO's)
         for lt in (10, 12, 15, 16, 17, 18, 19, 20):
             tag = f"pd-2p2d-pieces-spill-all-96k-{lt}"
@@ -676,8 +721,16 @@ class Loop:
         seed: int = 0,
         jitter_s: float = 0.02,
         tick_s: float = 0.05,
+        piece_rtt_s: float = 0.0,
+        own_pace: bool = False,
     ) -> None:
         prof = get_profile(profile)
+        #: seconds between a piece's answer and the next piece reaching the engine (over HTTP:
+        #: the answer's way to the router and the next piece's way back; 0: the same instant)
+        self.piece_rtt_s = piece_rtt_s
+        #: a user's slack reckoned at its own pace so far (the HTTP router's
+        #: `pace_hold.slack_s`) instead of an idle worker's decode step
+        self.own_pace = own_pace
         over: dict[str, object] = {"page_size": PAGE}
         if budget:
             over["max_batched_tokens"] = budget
@@ -726,8 +779,11 @@ class Loop:
         for r in self.inflight[worker]:
             if r.first is None:
                 continue
+            step = self.s_per_decode_step
+            if self.own_pace and r.ntok >= 2 and now - r.first >= 0.25:
+                step = (now - r.first) / (r.ntok - 1)  # as the HTTP router reckons it
             deadline = r.first + r.out / tok_s
-            out.append(deadline - now - (r.out - r.ntok) * self.s_per_decode_step)
+            out.append(deadline - now - (r.out - r.ntok) * step)
         return out
 
     def new_id(self, kind: str) -> str:
@@ -918,6 +974,8 @@ def search(args: argparse.Namespace, progress: Callable[[str], None] | None = No
                 budget=args.budget,
                 token_scale=args.token_scale,
                 seed=seed,
+                piece_rtt_s=getattr(args, "piece_rtt_ms", 0.0) / 1000,
+                own_pace=getattr(args, "own_pace", False),
             )
             summary = summarize(loop.run())
             if getattr(args, "engine_stats", False):
@@ -1015,6 +1073,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="runs per strategy (seed 0: no jitter)")
     p.add_argument("--strategies", default=None, help="comma-separated; default all")
     p.add_argument("--json", type=Path, default=None, help="write the rows here (and a .png)")
+    p.add_argument(
+        "--piece-rtt-ms",
+        type=float,
+        default=0.0,
+        help="ms from a piece's answer to the next piece at its engine (HTTP's round trip; "
+        "default 0: the same instant)",
+    )
+    p.add_argument(
+        "--own-pace",
+        action="store_true",
+        help="reckon a user's slack at its own pace so far, as the HTTP router does (default: "
+        "at the decode step of 16 users)",
+    )
     p.add_argument(
         "--records",
         type=Path,

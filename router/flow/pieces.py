@@ -26,14 +26,19 @@ first turns in pieces against 141.0 s without, for 13.14 against 13.36 r/s of go
 the gateway-like `least-queued`: 133.1 s, 6.56 r/s).
 
 Each piece adds at most `prefill_piece_tokens` of prefill to the worker's steps, the one-token
-answers are dropped, and the request itself finds all but its last piece cached. The pieces
-go to `/v1/completions` as token ids (`RouteRequest.token_ids`: the prompt as the router's
-codec renders and tokenizes it, which is the engine's in precise mode — a `--tokenizer`
-checkpoint — and the `sim`'s own tokenizer-free codec in approximate mode). If the router's
-tokens were not the engine's, the pieces would cost their prefill and save nothing: the
-request's own answer says how much was cached, and the router counts pieces that missed
-(`beamserve_router_prefill_pieces_missed_total`). A piece that fails (an error, a timeout,
-a refusal) ends the pieces; the request itself goes on as it would have without them.
+answers are dropped, and the request itself finds all but its last piece cached. Each answered
+piece leaves the worker's books at once (`LoadBook.prefilled`): the rules that read them — the
+spill's room, the pace hold, the saturation gate — see what still waits to be prefilled there,
+not the whole new part until the request's first token. (Over HTTP at 128 agents this did not
+move the throughput, nor the share of pace holds that run out: docs/bench/agentic.md, "Where the
+128-agent gap is not".) The pieces go to `/v1/completions` as token ids
+(`RouteRequest.token_ids`: the prompt as the router's codec renders and tokenizes it, which is
+the engine's in precise mode — a `--tokenizer` checkpoint — and the `sim`'s own tokenizer-free
+codec in approximate mode). If the router's tokens were not the engine's, the pieces would cost
+their prefill and save nothing: the request's own answer says how much was cached, and the
+router counts pieces that missed (`beamserve_router_prefill_pieces_missed_total`). A piece that
+fails (an error, a timeout, a refusal) ends the pieces; the request itself goes on as it would
+have without them.
 
 It costs the request's TTFT a round trip and an engine step per piece (a 4,096-token new part
 in 1,024-token pieces: four steps, ≈ 0.1–0.2 s at the knee), and the worker one request per

@@ -326,3 +326,32 @@ def test_records_are_the_http_bench_s_request_lines(tmp_path: Path) -> None:
         assert sum(e["prompt_tokens"] for e in engines.values()) >= sum(
             r["prompt_tokens"] for r in recs
         )
+
+
+def test_own_pace_reckons_a_user_s_slack_at_its_pace_so_far(sessions) -> None:
+    """`--own-pace`: a user that streamed 11 tokens in its first second is reckoned at 0.1 s a
+    token (as the HTTP router's pace hold does), not at an idle worker's decode step, so it has
+    no slack left; the default reckoning leaves it some."""
+    rec = ks.Rec("u", 0, 1_000, 50, 0.0, None, first=0.0, ntok=11)
+    for own, positive in ((False, True), (True, False)):
+        loop = ks.Loop(sessions, ks.LeastQueued(), concurrency=1, own_pace=own)
+        loop.inflight["w0"] = [rec]
+        (slack,) = loop.slacks("w0", 1.0)
+        assert (slack > 0) is positive
+        if own:
+            assert slack == pytest.approx(50 / ks.SLO_TOK_S - 1.0 - 39 * 0.1)
+
+
+def test_a_piece_s_round_trip_lengthens_the_pieced_turns(sessions) -> None:
+    """`--piece-rtt-ms`: each piece reaches its engine that long after the one before was
+    answered, so the turns prefilled in pieces take longer to their first token; every
+    request is still served once."""
+
+    def run(rtt: float) -> list[Any]:
+        strat = ks.strategies(4)["pd-2p2d-pieces-1k-4k"]()
+        loop = ks.Loop(sessions, strat, concurrency=12, piece_rtt_s=rtt)
+        return loop.run()
+
+    plain, slow = run(0.0), run(0.05)
+    assert len(slow) == len(plain) == sum(s.requests for s in sessions)
+    assert sum(r.ttft for r in slow) > sum(r.ttft for r in plain)

@@ -108,3 +108,43 @@ def test_load_samples_agree_with_the_exposition_parser(
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v))
+
+
+# --- a prefill computed ahead, piece by piece (`LoadBook.prefilled`) --------------------------
+
+
+@given(
+    uncached=st.integers(1, 200_000),
+    parts=st.lists(st.integers(-5, 60_000), max_size=12),
+    hold=st.booleans(),
+    end=st.sampled_from(["first_token", "finish"]),
+)
+def test_pieces_taken_off_the_books_leave_them_at_zero(
+    uncached: int, parts: list[int], hold: bool, end: str
+) -> None:
+    """Whatever pieces are answered, the worker's booked prefill is the prompt less what they
+    took off (never below zero), and once the request's prefill ends nothing stays booked."""
+    book = LoadBook()
+    f = book.start("w", uncached, uncached + 100, max_tokens=8)
+    book.hold(f, hold)
+    book.hold(f, False)
+    left = uncached
+    for n in parts:
+        taken = book.prefilled(f, n)
+        assert taken == min(max(n, 0), left)
+        left -= taken
+        assert book.load("w").prefill_tokens == left == f.prefill_tokens
+    getattr(book, end)(f)
+    if end == "first_token":
+        book.finish(f)
+    assert book.load("w").prefill_tokens == 0 and book.load("w").in_flight == 0
+    assert book.prefilled(f, 10) == 0  # past its prefill: nothing to take
+
+
+def test_a_split_flight_s_prefill_is_not_taken_off_by_pieces() -> None:
+    """Pieces go only to a request prefilled on its decode worker; a split one's prefill is
+    booked on its prefill worker and stays until the leg answers."""
+    book = LoadBook()
+    f = book.start("d", 30_000, 30_000, prefill="p", max_tokens=8)
+    assert book.prefilled(f, 1_024) == 0
+    assert book.load("p").prefill_tokens == 30_000

@@ -5,6 +5,7 @@ where the request then finds them, a failing piece only ends the pieces, nothing
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import httpx
@@ -182,5 +183,42 @@ def test_pieces_the_engine_did_not_keep_are_counted_missed(spawn_worker: SpawnWo
             text = (await c.get("/metrics")).text
             assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
             assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 1
+
+    asyncio.run(main())
+
+
+def test_each_answered_piece_leaves_the_worker_s_books(spawn_worker: SpawnWorker) -> None:
+    """While a turn is prefilled in pieces, the worker's booked prefill is what is still to
+    compute: each piece sent finds the books lower by the pieces answered before it (the spill's
+    room, the pace hold and the saturation gate read those books), and the request itself is
+    booked for its last part only; nothing stays booked after."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    post = rt.router.upstreams.post
+    booked: list[tuple[int, int]] = []  # (prefix tokens sent, booked prefill at that moment)
+
+    async def watching(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
+        if path == "/v1/completions":
+            booked.append((len(body["prompt"]), rt.core.loads.load(worker).prefill_tokens))
+        return await post(ep, path, body, timeout)
+
+    rt.router.upstreams.post = watching  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200, r.text
+            r = await c.post(URL, json={"model": "beam", "messages": LATER, "max_tokens": 2},
+                             headers=SID)  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert len(booked) >= 4, booked
+            first_booked = booked[0][1]
+            for (cut, was), (next_cut, now) in itertools.pairwise(booked):
+                # the piece up to `cut` was answered before the next one went
+                assert was - now == next_cut - cut, booked
+            # the first piece went with the whole new part booked
+            assert first_booked > booked[-1][1] > 0
+            nothing_booked(rt, worker)
 
     asyncio.run(main())
