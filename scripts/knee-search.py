@@ -614,68 +614,36 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
             spill_pieces=1024,
             **both,
         )
-        # 2026-12-06: one decode worker whose users the spill protects less (`lt` tokens/s;
-        # 0: not at all), new sessions kept off it while the other has under `cap` …
+
+        # 2026-12-06: the HTTP router's shipped pool (2 prefill + 2 decode, the spill after 0.3 s
+        # within 96K tokens, spilled first turns in pieces) with `over` in its place
+        def shipped(tag: str, **over: Any) -> Callable[[], Disaggregated]:
+            kw: dict[str, Any] = {"spill": (0.3, 98304, 0.0), "spill_pieces": 1024, **both}
+            return lambda: Disaggregated(tag, ws[:2], ws[2:], **(kw | over))
+
+        # … one decode worker whose users the spill protects less (`lt` tokens/s; 0: not at
+        # all), new sessions kept off it while the other has under `cap` …
         for lt in (0, 10):
             for cap in (0, 32, 48, 64):
                 tag = f"pd-2p2d-pieces-spill-loose1-32k-{lt}-cap{cap}"
-                out[tag] = lambda tag=tag, lt=lt, cap=cap: Disaggregated(
-                    tag,
-                    ws[:2],
-                    ws[2:],
-                    spill=(0.3, 32768, 0.0),
-                    spill_pieces=1024,
-                    loose=ws[3:],
-                    loose_tok_s=lt,
-                    cap=cap,
-                    **both,
+                out[tag] = shipped(
+                    tag, spill=(0.3, 32768, 0.0), loose=ws[3:], loose_tok_s=lt, cap=cap
                 )
         # … the pace hold shorter or off …
         for hold in (None, 0.5):
             tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-hold-{hold or 'off'}"
-            out[tag] = lambda tag=tag, hold=hold: Disaggregated(
-                tag,
-                ws[:2],
-                ws[2:],
-                spill=(0.3, 98304, 0.0),
-                spill_pieces=1024,
-                **{**both, "pace_hold": (1024, hold) if hold else None},
-            )
+            out[tag] = shipped(tag, pace_hold=(1024, hold) if hold else None)
         # … held first turns oldest first, none ahead for being short (`sjf_window` 0) …
         tag = "pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-fifo"
-        out[tag] = lambda tag=tag: Disaggregated(
-            tag,
-            ws[:2],
-            ws[2:],
-            spill=(0.3, 98304, 0.0),
-            spill_pieces=1024,
-            **{**both, "sjf_window": 0.0},
-        )
+        out[tag] = shipped(tag, sjf_window=0.0)
         # … the spill priced as the HTTP router's (`prefill_spill_tok_s`) …
         for tok_s in (60_000, 100_000):
             tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-price-{tok_s // 1000}k"
-            out[tag] = lambda tag=tag, tok_s=tok_s: Disaggregated(
-                tag,
-                ws[:2],
-                ws[2:],
-                spill=(0.3, 98304, 0.0),
-                spill_pieces=1024,
-                spill_tok_s=tok_s,
-                **both,
-            )
+            out[tag] = shipped(tag, spill_tok_s=tok_s)
         # … and the spill keeping every decode worker's users at `lt` tokens/s (20: the SLO's)
         for lt in (10, 12, 15, 16, 17, 18, 19, 20):
             tag = f"pd-2p2d-pieces-spill-all-96k-{lt}"
-            out[tag] = lambda tag=tag, lt=lt: Disaggregated(
-                tag,
-                ws[:2],
-                ws[2:],
-                spill=(0.3, 98304, 0.0),
-                spill_pieces=1024,
-                loose=ws[2:],
-                loose_tok_s=lt,
-                **both,
-            )
+            out[tag] = shipped(tag, loose=ws[2:], loose_tok_s=lt)
         out["pd-2p2d-spill-no-bound"] = lambda: Disaggregated(
             "pd-2p2d-spill-no-bound", ws[:2], ws[2:], spill=(0.0, 10**9, 0.0), **built
         )
