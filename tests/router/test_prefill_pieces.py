@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
 from beamserve.router.pd import UpstreamError
+from beamserve.router.server import RouterRuntime
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,42 +124,54 @@ def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
     asyncio.run(main())
 
 
+def _pieced_turn(
+    spawn_worker: SpawnWorker, on_piece: Callable[[RouterRuntime, Any, dict[str, Any]], None]
+) -> tuple[RouterRuntime, str, str]:
+    """A router over one sim worker, 256-token pieces from 512 new tokens; session `c`'s first
+    turn, then its next one (~1,600 new tokens, so in pieces), each piece passing through
+    `on_piece(router, endpoint, body)` before it goes (which may raise, as the upstream call would).
+    Returns the router, its worker's id and its `/metrics` after both turns were served."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
+    post = rt.router.upstreams.post
+
+    async def watched(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
+        if path == "/v1/completions":
+            on_piece(rt, ep, body)
+        return await post(ep, path, body, timeout)
+
+    rt.router.upstreams.post = watched  # type: ignore[method-assign]
+
+    async def main() -> str:
+        async with serving(rt) as c:
+            for messages in (FIRST, LATER):
+                r = await c.post(URL, json={"model": "beam", "messages": messages,
+                                            "max_tokens": 2}, headers=SID)  # fmt: skip
+                assert r.status_code == 200, r.text
+            return (await c.get("/metrics")).text
+
+    return rt, worker, asyncio.run(main())
+
+
 def test_a_failed_piece_ends_the_pieces_and_the_request_goes_on(
     spawn_worker: SpawnWorker,
 ) -> None:
     """The second piece fails (the upstream call below the router raises, as an unreachable
     worker would): no more pieces, the request itself is served, `failed` is counted, and
     nothing stays booked."""
-    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
-    post = rt.router.upstreams.post
-    calls: list[str] = []
+    calls: list[int] = []
 
-    async def flaky(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
-        if path == "/v1/completions":
-            calls.append(path)
-            if len(calls) == 2:
-                raise UpstreamError(ep.id, "connect", "unreachable (test)")
-        return await post(ep, path, body, timeout)
+    def flaky(_rt: RouterRuntime, ep: Any, body: dict[str, Any]) -> None:
+        calls.append(len(body["prompt"]))
+        if len(calls) == 2:
+            raise UpstreamError(ep.id, "connect", "unreachable (test)")
 
-    rt.router.upstreams.post = flaky  # type: ignore[method-assign]
-
-    async def main() -> None:
-        async with serving(rt) as c:
-            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
-                             headers=SID)  # fmt: skip
-            assert r.status_code == 200, r.text
-            r = await c.post(URL, json={"model": "beam", "messages": LATER, "max_tokens": 2},
-                             headers=SID)  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert len(calls) == 2
-            text = (await c.get("/metrics")).text
-            assert metric(text, "beamserve_router_prefill_pieces_total") == 1
-            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="failed"}') == 1
-            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
-            nothing_booked(rt, worker)
-
-    asyncio.run(main())
+    rt, worker, text = _pieced_turn(spawn_worker, flaky)
+    assert len(calls) == 2
+    assert metric(text, "beamserve_router_prefill_pieces_total") == 1
+    assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="failed"}') == 1
+    assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
+    nothing_booked(rt, worker)
 
 
 def test_pieces_the_engine_did_not_keep_are_counted_missed(spawn_worker: SpawnWorker) -> None:
@@ -192,33 +206,16 @@ def test_each_answered_piece_leaves_the_worker_s_books(spawn_worker: SpawnWorker
     compute: each piece sent finds the books lower by the pieces answered before it (the spill's
     room, the pace hold and the saturation gate read those books), and the request itself is
     booked for its last part only; nothing stays booked after."""
-    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
-    post = rt.router.upstreams.post
     booked: list[tuple[int, int]] = []  # (prefix tokens sent, booked prefill at that moment)
 
-    async def watching(ep: Any, path: str, body: dict[str, Any], timeout: float) -> Any:
-        if path == "/v1/completions":
-            booked.append((len(body["prompt"]), rt.core.loads.load(worker).prefill_tokens))
-        return await post(ep, path, body, timeout)
+    def watching(rt: RouterRuntime, ep: Any, body: dict[str, Any]) -> None:
+        booked.append((len(body["prompt"]), rt.core.loads.load(ep.id).prefill_tokens))
 
-    rt.router.upstreams.post = watching  # type: ignore[method-assign]
-
-    async def main() -> None:
-        async with serving(rt) as c:
-            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
-                             headers=SID)  # fmt: skip
-            assert r.status_code == 200, r.text
-            r = await c.post(URL, json={"model": "beam", "messages": LATER, "max_tokens": 2},
-                             headers=SID)  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert len(booked) >= 4, booked
-            first_booked = booked[0][1]
-            for (cut, was), (next_cut, now) in itertools.pairwise(booked):
-                # the piece up to `cut` was answered before the next one went
-                assert was - now == next_cut - cut, booked
-            # the first piece went with the whole new part booked
-            assert first_booked > booked[-1][1] > 0
-            nothing_booked(rt, worker)
-
-    asyncio.run(main())
+    rt, worker, _ = _pieced_turn(spawn_worker, watching)
+    assert len(booked) >= 4, booked
+    for (cut, was), (next_cut, now) in itertools.pairwise(booked):
+        # the piece up to `cut` was answered before the next one went
+        assert was - now == next_cut - cut, booked
+    # the first piece went with the whole new part booked; the last with only what is left
+    assert booked[0][1] > booked[-1][1] > 0
+    nothing_booked(rt, worker)
