@@ -326,6 +326,7 @@ class Disaggregated(Strategy):
         loose_tok_s: float = 0.0,
         cap: int = 0,
         spill_tok_s: float | None = None,
+        spill_line: tuple[float, float] | None = None,
     ) -> None:
         self.name, self.prefill, self.decode, self.overflow = name, prefill, decode, overflow
         self.sjf_below, self.books, self.local_below = sjf_below, books, local_below
@@ -336,6 +337,9 @@ class Disaggregated(Strategy):
         self.loose_tok_s = loose_tok_s  # … at this speed (0: not at all)
         self.cap = cap  # new sessions go to the other decode workers while under this many
         self.spill_tok_s = spill_tok_s  # the spill's price of prefill (None: the loop's)
+        # (at, stop): the spill acts from `at` active sessions a worker until under `stop` (the
+        # router's `pool_roles.spill_at_sessions_per_worker` / `spill_stop_below_…`)
+        self.spill_line, self.spilling = spill_line, spill_line is None
         self.spilled: set[int] = set()  # id() of first turns spilled to their decode worker
         self.now: Callable[[], float] = lambda: 0.0
         self.sent: dict[str, list[Rec]] = {p: [] for p in prefill}
@@ -394,6 +398,14 @@ class Disaggregated(Strategy):
         if self.spill is None:
             return None
         after, most, margin = self.spill
+        if self.spill_line is not None:
+            at, stop = self.spill_line
+            # the router's `LoadBook.active_sessions`: its requests admitted or waiting to be
+            # (held first turns too) and the sessions resting between turns: every live session
+            active, n = len(h.live), len(h.engines)
+            self.spilling = active >= stop * n if self.spilling else active >= at * n
+            if not self.spilling:
+                return None
         now = h.clock.now()
         if now - rec.sent < after:
             return None
@@ -640,6 +652,11 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
         for tok_s in (60_000, 100_000):
             tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-price-{tok_s // 1000}k"
             out[tag] = shipped(tag, spill_tok_s=tok_s)
+        # … and so, spilling only from 24 active sessions a worker until under 12 (the router's
+        # pool roles line)
+        for at in (12, 16, 24):
+            tag = f"pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-price-100k-line-{at}"
+            out[tag] = shipped(tag, spill_tok_s=100_000, spill_line=(float(at), at / 2))
         # … and the spill keeping every decode worker's users at `lt` tokens/s (20: the SLO's)
         for lt in (10, 12, 15, 16, 17, 18, 19, 20):
             tag = f"pd-2p2d-pieces-spill-all-96k-{lt}"
