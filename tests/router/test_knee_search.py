@@ -355,3 +355,27 @@ def test_a_piece_s_round_trip_lengthens_the_pieced_turns(sessions) -> None:
     plain, slow = run(0.0), run(0.05)
     assert len(slow) == len(plain) == sum(s.requests for s in sessions)
     assert sum(r.ttft for r in slow) > sum(r.ttft for r in plain)
+
+
+@pytest.mark.parametrize(
+    ("live", "spilling_before", "placed"),
+    [
+        (95, False, None),  # under 24 live sessions a worker: not yet
+        (96, False, "w2"),  # from 24 a worker on
+        (50, True, "w2"),  # once on, until under 12 a worker
+        (47, True, None),
+    ],
+)
+def test_the_spill_line_counts_every_live_session(
+    live: int, spilling_before: bool, placed: str | None
+) -> None:
+    """`…-line-24`: the spill acts from 24 live sessions a worker (the held first turns too, as
+    the router's `LoadBook.active_sessions` counts them) until under 12."""
+    strat = ks.strategies(4)["pd-2p2d-pieces-spill-0.3-96k-0.0-p1024-price-100k-line-24"]()
+    strat.spilling = spilling_before
+    pool = _SpeedDecoders(1.0, 9.0, 9.0)
+    pool.engines = {w: None for w in ("w0", "w1", "w2", "w3")}
+    pool.live = {f"s{i}" for i in range(live)}
+    strat.legs = {"w0": {1: 60_000}, "w1": {1: 60_000}}
+    rec = ks.Rec("s", 0, 20_000, 16, 0.0, None)
+    assert strat.place(pool, rec) == placed
