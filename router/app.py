@@ -189,6 +189,7 @@ class Router:
         self.metrics = RouterMetrics(self._live)
         self._pace_hold = flow.config.pace_hold()
         self._pieces = flow.config.prefill_pieces()
+        self._live_session_s = flow.config.live_session_s
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
         self._sweep_at = 64
@@ -412,9 +413,13 @@ class Router:
         raw_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
         tenant, session_id = tenant_and_session(key, raw_id, client)
         record = await self.sessions.get(session_id)
-        band = band_of(key, headers, record, call, prompt.block_hashes)
+        band = band_of(key, headers, record, call, prompt.block_hashes, self._live_session_s)
         resumed = 0
-        if band == "continuing" and record is not None:  # the tip is this prompt's prefix
+        if (
+            band == "continuing"
+            and record is not None
+            and (not record.tip or extends_tip(record.tip, prompt.block_hashes))
+        ):  # the tip is this prompt's prefix
             resumed = min(tip_blocks(record.tip) * self.hasher.block_size, prompt.prompt_tokens)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",
@@ -755,6 +760,8 @@ def band_of(
     record: SessionRecord | None,
     call: UpstreamCall,
     block_hashes: Sequence[int],
+    live_session_s: float | None = None,
+    now: float | None = None,
 ) -> Band:
     """The request's flow-control band.
 
@@ -764,7 +771,12 @@ def band_of(
     a new conversation reusing the id, a sub-agent's fresh prompt, or a body that merely
     carries an assistant message. A record without a tip (the last prompt was under two
     blocks: a cheap prompt either way) counts when the request carries an earlier turn.
-    Everything else: ``new``."""
+    With `live_session_s` (`FlowConfig.live_session_s`), a request of a session whose record
+    changed within that many seconds (`now`, default the wall clock, against
+    `SessionRecord.updated`) counts too, whatever its prompt: an agent that calls a sub-agent
+    in the middle of its session, or compacts its history, is blocked on that call as on any
+    turn, and in the ``new`` band it waits behind the held first turns of new sessions
+    (docs/bench/agentic.md, "Where the 128-agent gap is not"). Everything else: ``new``."""
     if key.priority == "sheddable" or headers.get(PRIORITY_HEADER, "") == "sheddable":
         return "sheddable"
     if record is not None:
@@ -773,6 +785,10 @@ def band_of(
                 return "continuing"
         elif is_continuing_turn(call.messages_for_session):
             return "continuing"
+        if live_session_s is not None:
+            at = time.time() if now is None else now
+            if at - record.updated <= live_session_s:
+                return "continuing"
     return "new"
 
 

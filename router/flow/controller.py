@@ -240,6 +240,7 @@ class FlowConfig(BaseModel):
     | `retry_after_max_s` | ``60`` | upper bound of Retry-After (s) |
     | `drain_window_s` | ``30`` | window of the drain-rate estimate (s) |
     | `hold_continuing` | ``false`` | the saturation gate holds continuing turns too |
+    | `live_session_s` | ``null`` | a session's request this soon after its last is ``continuing`` |
     | `lifo_after_s` | ``2`` | oldest item waited this long: newest first from then (null: off) |
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
     | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
@@ -272,6 +273,7 @@ class FlowConfig(BaseModel):
     retry_after_max_s: int = Field(default=60, ge=1)
     drain_window_s: float = Field(default=30.0, gt=0)
     hold_continuing: bool = False
+    live_session_s: float | None = Field(default=None, gt=0)
     lifo_after_s: float | None = Field(default=2.0, ge=0)
     lifo_max_wait_s: float = Field(default=30.0, gt=0)
     prefill_gate_tokens: int | None = Field(default=32768, ge=1)

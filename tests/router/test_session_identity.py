@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import httpx
+import pytest
 from beamserve.router.api.convert import to_upstream
 from beamserve.router.api.models import parse_request
 from beamserve.router.app import ANONYMOUS, KeyPolicy, RouterSettings, band_of, tenant_and_session
@@ -352,3 +353,47 @@ def test_ext_proc_admits_through_flow_control(spawn_worker: SpawnWorker) -> None
             await rt.stop()
 
     asyncio.run(main())
+
+
+def test_a_live_session_s_fresh_prompt_is_continuing_with_live_session_s() -> None:
+    """`flow.live_session_s`: a request of a session whose record changed within that long
+    counts as ``continuing`` even when its prompt does not extend the tip (a sub-agent's call
+    the agent is blocked on); an older record, no record, or no setting: ``new``."""
+    rec = SessionRecord("w0", 3, 100.0, 1_000.0, tip=session_tip([1, 2, 3, 4]))
+    sub = _call(OPENING)
+    fresh = (9, 8, 7, 6, 5)
+    assert band_of(ANONYMOUS, {}, rec, sub, fresh) == "new"
+    assert band_of(ANONYMOUS, {}, rec, sub, fresh, 60.0, now=1_030.0) == "continuing"
+    assert band_of(ANONYMOUS, {}, rec, sub, fresh, 60.0, now=1_061.0) == "new"
+    assert band_of(ANONYMOUS, {}, None, sub, fresh, 60.0, now=1_030.0) == "new"
+    low = {"x-beamserve-priority": "sheddable"}
+    assert band_of(ANONYMOUS, low, rec, sub, fresh, 60.0, now=1_030.0) == "sheddable"
+
+
+@pytest.mark.parametrize(("live_s", "band"), [(None, "new"), (60.0, "continuing")])
+def test_through_the_router_a_sub_agent_call_of_a_live_session(
+    spawn_worker: SpawnWorker, live_s: float | None, band: str
+) -> None:
+    """A session's first turn is served over HTTP (its record and tip are bound); then a
+    request under the same session id whose prompt does not extend that turn's (a sub-agent's
+    call) is ``new`` by default and ``continuing`` with `flow.live_session_s`."""
+    from tests.router.test_pace_hold import router_over
+    from tests.router.test_router_flow import serving
+
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    flow = {} if live_s is None else {"live_session_s": live_s}
+    rt, _ = router_over(w.url, **flow)
+    sid = {"x-session-id": "agent-1"}
+    main_turn = [{"role": "user", "content": "review the repository " * 200}]
+    sub_call = [{"role": "user", "content": "summarise this file for the caller " * 200}]
+
+    async def main() -> str:
+        async with serving(rt) as c:
+            body = {"model": "beam", "messages": main_turn, "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", headers=sid, json=body)
+            assert r.status_code == 200, r.text
+            rreq, record = await rt.router.route_request(_call(sub_call), sid)
+            assert record is not None and record.tip  # the first turn was bound
+            return rreq.band
+
+    assert asyncio.run(main()) == band
