@@ -323,6 +323,9 @@ class _Worker:
     # read by the pace hold (`beamserve.router.flow.pace_hold`)
     streaming: dict[int, Flight] = field(default_factory=dict)
     held_tokens: int = 0  # prefill tokens of the flights the pace hold keeps back (`hold`)
+    # this replica's flights booked as prefill here, oldest first (`start` to their release):
+    # the first is the prompt the engine computes now (`WorkerLoad.head_prefill_tokens`)
+    prefills: dict[int, Flight] = field(default_factory=dict)
     # log of the running geometric mean of finished requests' s/token (`decoded`), and of
     # those that decoded with no company here
     log_itl: float | None = None
@@ -423,6 +426,7 @@ class LoadBook:
         target = self._w(prefill or decode)
         target.prefill_tokens += uncached_tokens
         target.prefilling += 1
+        target.prefills[id(f)] = f
         d = self._w(decode)
         d.in_flight += 1
         if prefill is not None:
@@ -451,6 +455,7 @@ class LoadBook:
         p = self._w(f.prefill_worker or f.worker)
         p.prefill_tokens -= f.prefill_tokens
         p.prefilling -= 1
+        p.prefills.pop(id(f), None)
         if f.prefill_worker is not None:
             p.in_flight -= 1
 
@@ -829,11 +834,19 @@ class LoadBook:
             w.resting_tokens if w.resting_tokens > 0 else 0,
             self._pace(w, now) if w.log_itl is not None else None,
             None if w.log_itl_alone is None else math.exp(w.log_itl_alone),
+            _head_tokens(w),
         )
 
     def served(self, worker: str) -> int:
         w = self._workers.get(worker)
         return 0 if w is None else w.served
+
+
+def _head_tokens(w: _Worker) -> int:
+    """The prefill tokens still booked of `w`'s oldest prefill flight (0: none)."""
+    for f in w.prefills.values():
+        return f.prefill_tokens if f.prefill_tokens > 0 else 0
+    return 0
 
 
 def _counts(w: _Worker) -> BookCounts:

@@ -152,6 +152,9 @@ class WorkerLoad:
     here, as this replica timed them (`LoadBook.decoded`); None when there is no recent one or
     nothing of this replica decodes here now. `decode_itl_alone_s`: the same, of the requests
     that decoded with nothing else of this replica here (None: none yet).
+    `head_prefill_tokens`: of `prefill_tokens`, those of this replica's oldest prefill still in
+    flight here — the prompt a first-come first-served engine is computing now, not waiting
+    (the prefill stage's gate, `FlowConfig.prefill_gate_lead`).
     """
 
     prefill_tokens: int = 0
@@ -167,6 +170,7 @@ class WorkerLoad:
     resting_tokens: int = 0
     decode_itl_s: float | None = None
     decode_itl_alone_s: float | None = None
+    head_prefill_tokens: int = 0
 
     @property
     def effective_prefill_tokens(self) -> int:

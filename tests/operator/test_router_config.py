@@ -83,6 +83,18 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     held = {**CONFIG, "flowControl": {"holdContinuing": True}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(held))["flow"])
     assert flow.hold_continuing is True
+    default_live = FlowConfig().live_session_s
+    assert FlowConfig.from_mapping(flags["flow"]).live_session_s == default_live
+    live = {**CONFIG, "flowControl": {"liveSessionSeconds": 45}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(live))["flow"])
+    assert flow.live_session_s == 45
+    assert FlowConfig.from_mapping(flags["flow"]).prefill_gate_lead is True  # the default
+    counted = {**CONFIG, "flowControl": {"prefillGateLead": False}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(counted))["flow"])
+    assert flow.prefill_gate_lead is False
+    off = {**CONFIG, "flowControl": {"liveSessionSeconds": None}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(off))["flow"])
+    assert flow.live_session_s is None
     lifo = {**CONFIG, "flowControl": {"lifoAfterSeconds": None, "lifoMaxWaitSeconds": 20}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lifo))["flow"])
     assert (flow.lifo_after_s, flow.lifo_max_wait_s) == (None, 20)

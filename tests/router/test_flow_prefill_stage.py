@@ -34,9 +34,13 @@ class Pool:
 
     def __init__(self, *tokens: int) -> None:
         self.tokens = list(tokens)
+        self.heads = [0] * len(tokens)  # of those, the prompt each computes now
 
     def loads(self) -> list[WorkerLoad]:
-        return [WorkerLoad(prefill_tokens=t) for t in self.tokens]
+        return [
+            WorkerLoad(prefill_tokens=t, head_prefill_tokens=h)
+            for t, h in zip(self.tokens, self.heads, strict=True)
+        ]
 
 
 class Saturated:
@@ -80,6 +84,49 @@ def test_long_first_prompts_wait_while_every_prefill_worker_is_busy() -> None:
         await settle()
         assert held.done()
         held.result().release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_the_prompt_a_prefill_worker_computes_does_not_hold_its_next(lead: bool) -> None:
+    """`prefill_gate_lead` (the default): a prefill worker computing one long prompt, with
+    nothing queued behind it, takes the next now (it would idle for the router's round trip
+    between its answer and the next dispatch); once one waits behind the prompt it computes, the
+    stage is closed. Without the lead, the prompt being computed counts and the next waits."""
+
+    async def main() -> None:
+        pool = Pool(40000)
+        pool.heads[0] = 40000  # one long prompt, being computed
+        c = make(pool, prefill_gate_lead=lead)
+        nxt = asyncio.ensure_future(c.admit("new", "s1", 30000))
+        await settle()
+        assert nxt.done() is lead
+        if lead:
+            ticket: Ticket = nxt.result()
+            ticket.routed()
+            pool.tokens[0] = 70000  # it queues behind the head: 30,000 waiting, under the gate
+            after = asyncio.ensure_future(c.admit("new", "s2", 5000))
+            await settle()
+            assert after.done()  # 30,000 queued < 32,768
+            after.result().routed()
+            pool.tokens[0] = 75000  # 35,000 queued now
+            third = asyncio.ensure_future(c.admit("new", "s3", 5000))
+            await settle()
+            assert not third.done()
+            pool.tokens[0], pool.heads[0] = 35000, 30000  # the head answered; the next computes
+            c.poll()
+            await settle()
+            assert third.done()
+            for t in (ticket, after.result(), third.result()):
+                t.release()
+        else:
+            pool.tokens[0] = pool.heads[0] = 0  # that prefill finished
+            c.poll()
+            await settle()
+            assert nxt.done()
+            nxt.result().release()
+        assert c.stats().in_flight == 0
 
     asyncio.run(main())
 

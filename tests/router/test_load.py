@@ -148,3 +148,57 @@ def test_a_split_flight_s_prefill_is_not_taken_off_by_pieces() -> None:
     f = book.start("d", 30_000, 30_000, prefill="p", max_tokens=8)
     assert book.prefilled(f, 1_024) == 0
     assert book.load("p").prefill_tokens == 30_000
+
+
+# --- the prompt a worker computes now (`WorkerLoad.head_prefill_tokens`) -------------------------
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["start", "leg", "first", "finish"]), st.integers(0, 9),
+                  st.integers(1, 90_000)),
+        max_size=40,
+    )
+)  # fmt: skip
+def test_the_head_is_the_oldest_prefill_still_booked(ops: list[tuple[str, int, int]]) -> None:
+    """Whatever order split requests start, answer their prefill leg, get a first token or
+    finish in, a prefill worker's head is the booked tokens of its oldest flight whose prefill
+    has not ended (0 when none), never more than its whole booked prefill; at the end nothing
+    is left."""
+    book = LoadBook()
+    flights: list[object] = []
+    for op, i, tokens in ops:
+        if op == "start":
+            flights.append(book.start("d", tokens, tokens, prefill="p", max_tokens=8))
+            continue
+        if not flights:
+            continue
+        f = flights[i % len(flights)]
+        if op == "leg":
+            book.prefill_leg_done(f)  # type: ignore[arg-type]
+        elif op == "first":
+            book.first_token(f)  # type: ignore[arg-type]
+        else:
+            book.finish(f)  # type: ignore[arg-type]
+        booked = [g for g in flights if not g.prefill_released]  # type: ignore[attr-defined]
+        load = book.load("p")
+        want = booked[0].prefill_tokens if booked else 0  # type: ignore[attr-defined]
+        assert load.head_prefill_tokens == want <= load.prefill_tokens
+    for f in flights:
+        book.finish(f)  # type: ignore[arg-type]
+    assert book.load("p").head_prefill_tokens == 0 == book.load("p").prefill_tokens
+
+
+def test_a_local_prefill_s_head_follows_its_pieces() -> None:
+    """On a worker prefilling locally the head is its oldest prompt, less the pieces already
+    answered; the next in line becomes the head when it ends."""
+    book = LoadBook()
+    a = book.start("w", 20_000, 20_000, max_tokens=8)
+    b = book.start("w", 7_000, 7_000, max_tokens=8)
+    assert book.load("w").head_prefill_tokens == 20_000
+    book.prefilled(a, 4_096)
+    assert book.load("w").head_prefill_tokens == 15_904
+    book.first_token(a)
+    assert book.load("w").head_prefill_tokens == 7_000
+    book.finish(b)
+    assert book.load("w").head_prefill_tokens == 0
