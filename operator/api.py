@@ -400,7 +400,7 @@ class FlowControlSpec(_Model):
     hold_continuing: bool = False
     """True: the saturation gate holds continuing turns too (default: only new and sheddable
     work waits; docs/policies.md, "Continuing turns are not gated")."""
-    live_session_seconds: Annotated[float, Field(gt=0)] | None = None
+    live_session_seconds: Annotated[float, Field(gt=0)] | None = 60.0
     """A request of a session whose record changed within this long counts as a continuing
     turn whatever its prompt (a sub-agent's call its agent is blocked on), so it is not held
     behind new sessions; null: only a prompt that extends the session's last counts (docs/
@@ -417,10 +417,11 @@ class FlowControlSpec(_Model):
     prefill worker has less than this much prefill in flight, and wait in the router meanwhile,
     shortest first; null: straight into the prefill workers' own queues (docs/policies.md,
     "The prefill stage of a disaggregated pool")."""
-    prefill_gate_lead: bool = True
-    """The prompt a prefill worker computes now does not count against prefillGateTokens, so
-    its next prompt is sent meanwhile and it does not idle for the router's round trip;
-    false: every prompt in flight counts."""
+    prefill_gate_lead: bool = False
+    """True: the prompt a prefill worker computes now does not count against
+    prefillGateTokens, so its next prompt is sent meanwhile and the worker does not idle for
+    the router's round trip — but that prompt then waits in the engine first come first
+    served, not shortest first in the router; false: every prompt in flight counts."""
     prefill_sjf_window_seconds: Annotated[float, Field(gt=0)] | None = 2.0
     """At that stage, shortest first only among the new sessions that waited less than this
     (they can still meet a TTFT bound this long); the others after them, oldest first; null:

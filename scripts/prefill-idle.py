@@ -7,6 +7,16 @@
     # then:
     .venv/bin/python scripts/prefill-idle.py report /tmp/logs/beamserve-2p2d-c64 /tmp/watch.json
 
+    # or from the router's log alone, any engine the sim models (`--profile`):
+    .venv/bin/python scripts/prefill-idle.py modeled /tmp/logs/beamserve-adaptive-spill-c128
+
+`modeled` needs no sampling: it lays each prefill worker's split prompts end to end from their
+dispatch (`router.decision` lines with a `prefill` worker; uncached = prompt less the hit
+blocks × `--block`), each priced by the sim's latency model (`LatencyModel.prefill_seconds`),
+and reports the gaps in which a worker had nothing left to compute before the router's next
+dispatch to it: the time it idled while the router held the next prompt back, as far as the
+model's step times are the engine's (the sim's are).
+
 `watch` finds the processes started with `--role prefill` (pgrep), their listening ports (ss),
 keeps those whose `/metrics` is SGLang-shaped, and samples `sglang:num_running_reqs` every
 100 ms until they are gone. `report` takes the run's `requests.jsonl` and the router's log
@@ -27,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 RUNNING = re.compile(r"^sglang:num_running_reqs\S*\s+(\S+)", re.M)
 
@@ -110,6 +121,61 @@ def report(run: Path, watched: Path) -> dict[str, float]:
     }
 
 
+def _stamp(d: dict[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def modeled(
+    router_log: Path, profile: str = "h200-bf16-tp8", block: int = 16
+) -> dict[str, dict[str, float]]:
+    """Per prefill worker: its split prompts (`dispatched`, their `tokens` uncached), the
+    seconds of prefill they cost on the model (`work_s`), when the last ended had each
+    started at its dispatch or at the end of the one before (`busy_until_s`, from the first
+    dispatch of the run), and the `idle_s` between (in `gaps`, their median `gap_p50_s`)."""
+    from beamserve.workers.sim.latency import LatencyModel
+    from beamserve.workers.sim.profiles import get_profile
+
+    model = LatencyModel(get_profile(profile))
+    sent: list[tuple[float, str, int, int]] = []
+    for line in router_log.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("event") == "router.decision" and d.get("prefill"):
+            cached = int(d.get("hit_blocks", 0)) * block
+            sent.append((_stamp(d), d["prefill"], int(d["prompt_tokens"]) - cached, cached))
+    if not sent:
+        raise SystemExit(f"{router_log}: no split decisions")
+    t0 = min(x[0] for x in sent)
+    out: dict[str, dict[str, float]] = {}
+    for worker in sorted({x[1] for x in sent}):
+        busy = idle = work = 0.0
+        gaps: list[float] = []
+        mine = sorted(x for x in sent if x[1] == worker)
+        for t, _, uncached, cached in mine:
+            at = t - t0
+            if at > busy:
+                if work > 0:
+                    gaps.append(at - busy)
+                    idle += at - busy
+                busy = at
+            cost = model.prefill_seconds(max(uncached, 0), cached)
+            busy += cost
+            work += cost
+        gaps.sort()
+        out[worker] = {
+            "dispatched": len(mine),
+            "tokens": sum(max(x[2], 0) for x in mine),
+            "work_s": round(work, 3),
+            "busy_until_s": round(busy, 3),
+            "idle_s": round(idle, 3),
+            "gaps": len(gaps),
+            "gap_p50_s": round(gaps[len(gaps) // 2], 3) if gaps else 0.0,
+        }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,9 +184,16 @@ def main() -> int:
     r = sub.add_parser("report", help="idle shares of one run")
     r.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
     r.add_argument("watched", type=Path)
+    m = sub.add_parser("modeled", help="idle gaps of the prefill workers, by the sim's model")
+    m.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
+    m.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
+    m.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
     a = p.parse_args()
     if a.cmd == "watch":
         asyncio.run(watch(a.out))
+    elif a.cmd == "modeled":
+        log = next(x for x in a.run.glob("*.err") if not x.name.startswith("w"))
+        print(json.dumps(modeled(log, a.profile, a.block), indent=1))
     else:
         print(json.dumps(report(a.run, a.watched), indent=1))
     return 0

@@ -84,12 +84,15 @@ room. Contract:
   `min_tokens` (the requests the P/D rule splits) is dispatched only while some healthy
   prefill worker has less than `prefill_gate_tokens` of prefill in flight (the router's own
   books, and the engine's queue while the scrape is fresh; items dispatched and not yet routed
-  count against the worker with the most room; with `prefill_gate_lead`, on by default, the
+  count against the worker with the most room; with `prefill_gate_lead`, off by default, the
   prompt the worker computes now — this replica's oldest prefill in flight there — does not
   count, so its next prompt is sent meanwhile: counted, a prefill worker with one long prompt
-  idled from its answer to the router's next dispatch, over HTTP at 128 agents about 0.11 s
-  each time, 4.3–4.6 s of a 120 s run per prefill worker by the sim's own step times), and
-  while the stage gates, the band goes
+  idles from its answer to the router's next dispatch, over HTTP at 128 agents about 0.11 s
+  each time, 4.0–4.6 s of a 120 s run per prefill worker by the sim's own step times, 1.5 s
+  with the lead; but the prompt sent early is one the engine takes first come first served,
+  not shortest first, and at 64 agents the lead cost first turns their TTFT — 68 of 192 in
+  time against 98 without it, p90 TTFT 2.08 s against 1.67 s — for no throughput at 128:
+  docs/bench/agentic.md, "The prefill stage's lead"), and while the stage gates, the band goes
   **shortest first among the items that can still be in time**: those that waited less than
   `prefill_sjf_window_s` (default 2 s, the TTFT bound of the benchmarks' SLO) go first, the
   cheapest first (oldest among equals); then the others, oldest first; and before all, items
@@ -245,12 +248,13 @@ class FlowConfig(BaseModel):
     | `retry_after_max_s` | ``60`` | upper bound of Retry-After (s) |
     | `drain_window_s` | ``30`` | window of the drain-rate estimate (s) |
     | `hold_continuing` | ``false`` | the saturation gate holds continuing turns too |
-    | `live_session_s` | ``null`` | a session's request this soon after its last is ``continuing`` |
+    | `live_session_s` | ``60`` | a session's request this soon after its last is ``continuing`` |
+    |  |  | whatever its prompt (null: only one that extends the last) |
     | `lifo_after_s` | ``2`` | oldest item waited this long: newest first from then (null: off) |
     | `lifo_max_wait_s` | ``30`` | under LIFO, items that waited this long (≤ TTL/2) go first |
     | `prefill_gate_tokens` | ``32768`` | P/D pools: a prefill worker under this takes new work |
-    | `prefill_gate_lead` | ``true`` | … not counting the prompt it computes now (its next is sent |
-    |  |  | meanwhile, so it does not idle for the router's round trip) |
+    | `prefill_gate_lead` | ``false`` | … not counting the prompt it computes now (its next is |
+    |  |  | sent meanwhile, so it does not idle for the router's round trip) |
     | `prefill_sjf_window_s` | ``2`` | … shortest first among items that waited less (null: all) |
     | `prefill_spill_after_s` | off | P/D pools: a new session held this long may be prefilled |
     |  |  | on a decode worker with room for it (module docstring) |
@@ -280,11 +284,11 @@ class FlowConfig(BaseModel):
     retry_after_max_s: int = Field(default=60, ge=1)
     drain_window_s: float = Field(default=30.0, gt=0)
     hold_continuing: bool = False
-    live_session_s: float | None = Field(default=None, gt=0)
+    live_session_s: float | None = Field(default=60.0, gt=0)
     lifo_after_s: float | None = Field(default=2.0, ge=0)
     lifo_max_wait_s: float = Field(default=30.0, gt=0)
     prefill_gate_tokens: int | None = Field(default=32768, ge=1)
-    prefill_gate_lead: bool = True
+    prefill_gate_lead: bool = False
     prefill_sjf_window_s: float | None = Field(default=2.0, gt=0)
     prefill_spill_after_s: float | None = Field(default=None, ge=0)
     prefill_spill_max_tokens: int = Field(default=49152, ge=1)

@@ -88,10 +88,10 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     live = {**CONFIG, "flowControl": {"liveSessionSeconds": 45}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(live))["flow"])
     assert flow.live_session_s == 45
-    assert FlowConfig.from_mapping(flags["flow"]).prefill_gate_lead is True  # the default
-    counted = {**CONFIG, "flowControl": {"prefillGateLead": False}}
-    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(counted))["flow"])
-    assert flow.prefill_gate_lead is False
+    assert FlowConfig.from_mapping(flags["flow"]).prefill_gate_lead is False  # the default
+    lead = {**CONFIG, "flowControl": {"prefillGateLead": True}}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lead))["flow"])
+    assert flow.prefill_gate_lead is True
     off = {**CONFIG, "flowControl": {"liveSessionSeconds": None}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(off))["flow"])
     assert flow.live_session_s is None

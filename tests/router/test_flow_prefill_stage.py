@@ -90,7 +90,7 @@ def test_long_first_prompts_wait_while_every_prefill_worker_is_busy() -> None:
 
 @pytest.mark.parametrize("lead", [True, False])
 def test_the_prompt_a_prefill_worker_computes_does_not_hold_its_next(lead: bool) -> None:
-    """`prefill_gate_lead` (the default): a prefill worker computing one long prompt, with
+    """`prefill_gate_lead` (off by default): a prefill worker computing one long prompt, with
     nothing queued behind it, takes the next now (it would idle for the router's round trip
     between its answer and the next dispatch); once one waits behind the prompt it computes, the
     stage is closed. Without the lead, the prompt being computed counts and the next waits."""

@@ -73,3 +73,43 @@ def test_idle_while_a_split_first_turn_waits_is_counted(tmp_path: Path) -> None:
     assert out["idle_share"] == 0.75
     assert out["idle_while_first_turns_wait_share"] == 0.5
     assert out["mean_wait_s"] == 4.0
+
+
+def split(t: float, worker: str, prompt: int, hit_blocks: int = 0) -> str:
+    stamp = datetime.datetime.fromtimestamp(t, tz=datetime.UTC).isoformat()
+    return json.dumps(
+        {
+            "event": "router.decision",
+            "session_id": f"s{t}",
+            "prefill": worker,
+            "prompt_tokens": prompt,
+            "hit_blocks": hit_blocks,
+            "timestamp": stamp.replace("+00:00", "Z"),
+        }
+    )
+
+
+def test_modeled_idle_is_the_gap_before_a_late_dispatch(tmp_path: Path) -> None:
+    """`modeled`: prompts laid end to end from their dispatch at the sim's prefill time; a
+    dispatch after the worker's modeled end is idle time, one before it is not."""
+    from beamserve.workers.sim.latency import prefill_seconds
+    from beamserve.workers.sim.profiles import get_profile
+
+    cost = prefill_seconds(get_profile("h200-bf16-tp8"), 32_768)
+    log = tmp_path / "router.err"
+    log.write_text(
+        "\n".join(
+            [
+                "not json",
+                split(T0, "p0", 32_768),
+                split(T0 + cost / 2, "p0", 32_768),  # queued behind the first: no gap
+                split(T0 + 2 * cost + 0.25, "p0", 32_768),  # 0.25 s after the second ended
+                split(T0 + 0.1, "p1", 32_768 + 1_024, hit_blocks=64),  # 1,024 cached
+            ]
+        )
+    )
+    out = pi.modeled(log)
+    assert out["p0"]["dispatched"] == 3 and out["p0"]["gaps"] == 1
+    assert abs(out["p0"]["idle_s"] - 0.25) < 1e-3
+    assert abs(out["p0"]["busy_until_s"] - (3 * cost + 0.25)) < 1e-3
+    assert out["p1"]["tokens"] == 32_768 and out["p1"]["idle_s"] == 0.0

@@ -171,8 +171,10 @@ def test_the_same_opening_under_two_api_keys_is_two_sessions(spawn_worker: Spawn
 
 
 def test_continuing_band_over_http_needs_the_previous_turn(spawn_worker: SpawnWorker) -> None:
+    """With `flow.live_session_s` off, only a prompt that extends the session's last one is
+    `continuing` (with it on, any request of a live session is: tested below)."""
     w = spawn_worker("--engine", "sim")
-    rt = runtime([w.url])
+    rt = runtime([w.url], flow={"live_session_s": None})
 
     async def main() -> None:
         async with serving(rt) as c:
@@ -303,7 +305,9 @@ def test_ext_proc_admits_through_flow_control(spawn_worker: SpawnWorker) -> None
     in the queue and is answered when room frees; a full queue sheds with an immediate 429;
     after N requests the books are back to zero."""
     w = spawn_worker("--engine", "sim")
-    rt = runtime([w.url], flow={"max_queued": 1})
+    # one session id for every call (Envoy's headers): with `live_session_s` each would be
+    # that live session's `continuing` turn, which the saturation gate does not hold
+    rt = runtime([w.url], flow={"max_queued": 1, "live_session_s": None})
     gate = Gate()
     rt.flow.saturation = gate
 
@@ -370,18 +374,21 @@ def test_a_live_session_s_fresh_prompt_is_continuing_with_live_session_s() -> No
     assert band_of(ANONYMOUS, low, rec, sub, fresh, 60.0, now=1_030.0) == "sheddable"
 
 
-@pytest.mark.parametrize(("live_s", "band"), [(None, "new"), (60.0, "continuing")])
+@pytest.mark.parametrize(
+    ("live_s", "band"), [(None, "new"), (60.0, "continuing"), ("default", "continuing")]
+)
 def test_through_the_router_a_sub_agent_call_of_a_live_session(
-    spawn_worker: SpawnWorker, live_s: float | None, band: str
+    spawn_worker: SpawnWorker, live_s: float | str | None, band: str
 ) -> None:
     """A session's first turn is served over HTTP (its record and tip are bound); then a
     request under the same session id whose prompt does not extend that turn's (a sub-agent's
-    call) is ``new`` by default and ``continuing`` with `flow.live_session_s`."""
+    call) is ``continuing`` with `flow.live_session_s` (by default 60 s) and ``new`` with it
+    off."""
     from tests.router.test_pace_hold import router_over
     from tests.router.test_router_flow import serving
 
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
-    flow = {} if live_s is None else {"live_session_s": live_s}
+    flow = {} if live_s == "default" else {"live_session_s": live_s}
     rt, _ = router_over(w.url, **flow)
     sid = {"x-session-id": "agent-1"}
     main_turn = [{"role": "user", "content": "review the repository " * 200}]
