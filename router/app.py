@@ -418,8 +418,8 @@ class Router:
         if (
             band == "continuing"
             and record is not None
-            and (not record.tip or extends_tip(record.tip, prompt.block_hashes))
-        ):  # the tip is this prompt's prefix
+            and extends_tip(record.tip, prompt.block_hashes)
+        ):  # the tip is this prompt's prefix (a live session's other calls: no resume)
             resumed = min(tip_blocks(record.tip) * self.hasher.block_size, prompt.prompt_tokens)
         rreq = RouteRequest(
             request_id=headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:20]}",

@@ -303,7 +303,6 @@ class _Worker:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     in_flight: int = 0
-    prefilling: int = 0  # own requests booked here (as decode or prefill worker) before 1st token
     queue_len: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -323,14 +322,20 @@ class _Worker:
     # read by the pace hold (`beamserve.router.flow.pace_hold`)
     streaming: dict[int, Flight] = field(default_factory=dict)
     held_tokens: int = 0  # prefill tokens of the flights the pace hold keeps back (`hold`)
-    # this replica's flights booked as prefill here, oldest first (`start` to their release):
-    # the first is the prompt the engine computes now (`WorkerLoad.head_prefill_tokens`)
+    # own requests booked here (as decode or prefill worker) before their prefill ended
+    # (`start` to `_release_prefill`), oldest first: the first is the prompt the engine
+    # computes now (`WorkerLoad.head_prefill_tokens`)
     prefills: dict[int, Flight] = field(default_factory=dict)
     # log of the running geometric mean of finished requests' s/token (`decoded`), and of
     # those that decoded with no company here
     log_itl: float | None = None
     log_itl_alone: float | None = None
     decoded_at: float = float("-inf")
+
+    @property
+    def prefilling(self) -> int:
+        """Own requests booked here before their prefill ended."""
+        return len(self.prefills)
 
     @property
     def decoding(self) -> int:
@@ -425,7 +430,6 @@ class LoadBook:
                 self.probing(wid)  # a half-open breaker lets only this request through
         target = self._w(prefill or decode)
         target.prefill_tokens += uncached_tokens
-        target.prefilling += 1
         target.prefills[id(f)] = f
         d = self._w(decode)
         d.in_flight += 1
@@ -454,7 +458,6 @@ class LoadBook:
         f.prefill_released = True
         p = self._w(f.prefill_worker or f.worker)
         p.prefill_tokens -= f.prefill_tokens
-        p.prefilling -= 1
         p.prefills.pop(id(f), None)
         if f.prefill_worker is not None:
             p.in_flight -= 1

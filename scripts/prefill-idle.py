@@ -36,6 +36,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,18 +85,27 @@ async def watch(out: Path, interval_s: float = 0.1) -> None:
     out.write_text(json.dumps(samples))
 
 
-def report(run: Path, watched: Path) -> dict[str, float]:
-    first_decision: dict[str, tuple[float, bool]] = {}
-    t_first = None
-    router_log = next(p for p in run.glob("*.err") if not p.name.startswith("w"))
+def _router_log(run: Path) -> Path:
+    """The router's log in a run's log folder (the workers' are `w*.err`)."""
+    return next(p for p in run.glob("*.err") if not p.name.startswith("w"))
+
+
+def _decisions(router_log: Path) -> Iterator[tuple[float, dict[str, Any]]]:
+    """The log's `router.decision` lines, with their time on the wall clock."""
     for line in router_log.read_text().splitlines():
         try:
             d = json.loads(line)
         except ValueError:
             continue
-        if d.get("event") != "router.decision":
-            continue
-        t = datetime.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
+        if d.get("event") == "router.decision":
+            stamp = d["timestamp"].replace("Z", "+00:00")
+            yield datetime.datetime.fromisoformat(stamp).timestamp(), d
+
+
+def report(run: Path, watched: Path) -> dict[str, float]:
+    first_decision: dict[str, tuple[float, bool]] = {}
+    t_first = None
+    for t, d in _decisions(_router_log(run)):
         t_first = t if t_first is None else min(t_first, t)
         first_decision.setdefault(d["session_id"], (t, d["prefill"] is not None))
     reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines() if x]
@@ -121,10 +131,6 @@ def report(run: Path, watched: Path) -> dict[str, float]:
     }
 
 
-def _stamp(d: dict[str, Any]) -> float:
-    return datetime.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
-
-
 def modeled(
     router_log: Path, profile: str = "h200-bf16-tp8", block: int = 16
 ) -> dict[str, dict[str, float]]:
@@ -137,14 +143,10 @@ def modeled(
 
     model = LatencyModel(get_profile(profile))
     sent: list[tuple[float, str, int, int]] = []
-    for line in router_log.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if d.get("event") == "router.decision" and d.get("prefill"):
+    for t, d in _decisions(router_log):
+        if d.get("prefill"):
             cached = int(d.get("hit_blocks", 0)) * block
-            sent.append((_stamp(d), d["prefill"], int(d["prompt_tokens"]) - cached, cached))
+            sent.append((t, d["prefill"], int(d["prompt_tokens"]) - cached, cached))
     if not sent:
         raise SystemExit(f"{router_log}: no split decisions")
     t0 = min(x[0] for x in sent)
@@ -192,8 +194,7 @@ def main() -> int:
     if a.cmd == "watch":
         asyncio.run(watch(a.out))
     elif a.cmd == "modeled":
-        log = next(x for x in a.run.glob("*.err") if not x.name.startswith("w"))
-        print(json.dumps(modeled(log, a.profile, a.block), indent=1))
+        print(json.dumps(modeled(_router_log(a.run), a.profile, a.block), indent=1))
     else:
         print(json.dumps(report(a.run, a.watched), indent=1))
     return 0

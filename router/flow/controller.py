@@ -92,7 +92,8 @@ room. Contract:
   with the lead; but the prompt sent early is one the engine takes first come first served,
   not shortest first, and at 64 agents the lead cost first turns their TTFT — 68 of 192 in
   time against 98 without it, p90 TTFT 2.07 s against 1.67 s — for no throughput at 128:
-  docs/bench/agentic.md, "The prefill stage's lead"), and while the stage gates, the band goes
+  docs/bench/agentic.md, "Sub-agent calls as continuing turns, by default, and the
+  prefill stage's lead"), and while the stage gates, the band goes
   **shortest first among the items that can still be in time**: those that waited less than
   `prefill_sjf_window_s` (default 2 s, the TTFT bound of the benchmarks' SLO) go first, the
   cheapest first (oldest among equals); then the others, oldest first; and before all, items
