@@ -426,6 +426,12 @@ class FlowControlSpec(_Model):
     """At that stage, shortest first only among the new sessions that waited less than this
     (they can still meet a TTFT bound this long); the others after them, oldest first; null:
     shortest first among all (docs/policies.md, "The prefill stage of a disaggregated pool")."""
+    prefill_lull_longest_first_seconds: Annotated[float, Field(gt=0)] | None = 2.0
+    """Once no new session has reached the router for this long while some wait at that stage
+    (the end of a burst), those that waited past prefillSjfWindowSeconds (none of which can
+    still meet that TTFT bound) go longest first, and the spill takes the shortest of them: the
+    backlog ends sooner, with no prefill worker left computing one long last prompt while the
+    other idles; null: oldest first always (docs/policies.md, "Longest first in a lull")."""
     prefill_spill_after_seconds: Annotated[float, Field(ge=0)] | None = None
     """At that stage, a new session that waited this long may instead be prefilled on a decode
     worker that has room for it (its queued prefill within prefillSpillMaxTokens, its users'

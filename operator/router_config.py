@@ -108,6 +108,9 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_gate_tokens": config.flow_control.prefill_gate_tokens,
             "prefill_gate_lead": config.flow_control.prefill_gate_lead,
             "prefill_sjf_window_s": config.flow_control.prefill_sjf_window_seconds,
+            "prefill_lull_longest_first_s": (
+                config.flow_control.prefill_lull_longest_first_seconds
+            ),
             "prefill_spill_after_s": config.flow_control.prefill_spill_after_seconds,
             "prefill_spill_max_tokens": config.flow_control.prefill_spill_max_tokens,
             "prefill_spill_margin_s": config.flow_control.prefill_spill_margin_seconds,

@@ -9,6 +9,8 @@
 
     # or from the router's log alone, any engine the sim models (`--profile`):
     .venv/bin/python scripts/prefill-idle.py modeled /tmp/logs/beamserve-adaptive-spill-c128
+    # the end of the burst: the held first turns oldest first against longest first
+    .venv/bin/python scripts/prefill-idle.py lull /tmp/logs/beamserve-adaptive-spill-c128
 
 `modeled` needs no sampling: it lays each prefill worker's split prompts end to end from their
 dispatch (`router.decision` lines with a `prefill` worker; uncached = prompt less the hit
@@ -16,6 +18,13 @@ blocks × `--block`), each priced by the sim's latency model (`LatencyModel.pref
 and reports the gaps in which a worker had nothing left to compute before the router's next
 dispatch to it: the time it idled while the router held the next prompt back, as far as the
 model's step times are the engine's (the sim's are).
+
+`lull` takes the same prompts from the last new session's send on (the end of the burst, when
+the first turns held in the router are all the new work left) and plays the stage's order on
+the model: each prefill worker takes the next one when it frees, the overdue first (oldest),
+then the oldest or the longest (`list_schedule`). It prints when each worker would have ended
+either way, against when it did as dispatched: what the order of the last prompts costs the
+end of the run (the router's `prefill_lull_longest_first_s`).
 
 `watch` finds the processes started with `--role prefill` (pgrep), their listening ports (ss),
 keeps those whose `/metrics` is SGLang-shaped, and samples `sglang:num_running_reqs` every
@@ -178,6 +187,93 @@ def modeled(
     return out
 
 
+def list_schedule(
+    free: dict[str, float],
+    items: list[tuple[float, float]],
+    *,
+    longest_first: bool,
+    rescue_s: float = 30.0,
+) -> tuple[dict[str, float], float]:
+    """The prefill stage's order played on the model: each prefill worker takes its next item
+    when it frees (`free`: when each does first), from `items` (sent at, seconds of prefill)
+    already sent by then — those that waited `rescue_s` first, oldest first (the router's
+    overdue rule), then the longest (`longest_first`) or the oldest. Returns each worker's
+    busy-until and the longest wait. Pure."""
+    free, left = dict(free), sorted(items)
+    longest_wait = 0.0
+    while left:
+        worker = min(free, key=lambda w: (free[w], w))
+        now = free[worker]
+        ready = [it for it in left if it[0] <= now]
+        if not ready:
+            free[worker] = left[0][0]
+            continue
+        overdue = [it for it in ready if now - it[0] >= rescue_s]
+        if overdue:
+            item = overdue[0]
+        elif longest_first:
+            item = max(ready, key=lambda it: (it[1], -it[0]))
+        else:
+            item = ready[0]
+        left.remove(item)
+        longest_wait = max(longest_wait, now - item[0])
+        free[worker] = now + item[1]
+    return free, longest_wait
+
+
+def lull(
+    run: Path, profile: str = "h200-bf16-tp8", block: int = 16, rescue_s: float = 30.0
+) -> dict[str, Any]:
+    """The end of a burst: from the last new session's send (the lull, when the held first
+    turns are all the new work there is), each prefill worker's busy-until as the router
+    dispatched (each split prompt from its dispatch or the end of the one before, priced by the
+    sim's model as in `modeled`), and as list scheduling would have it from the same instant
+    with the prompts not yet dispatched then, oldest first and longest first (`list_schedule`).
+    Times are from the run's first send (`requests.jsonl`)."""
+    from beamserve.workers.sim.latency import LatencyModel
+    from beamserve.workers.sim.profiles import get_profile
+
+    model = LatencyModel(get_profile(profile))
+    decisions = list(_decisions(_router_log(run)))
+    reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines() if x]
+    if not decisions or not reqs:
+        raise SystemExit(f"{run}: no router decisions or no requests")
+    t0 = min(t for t, _ in decisions) - min(r["sent_s"] for r in reqs)
+    sent = {r["session"]: r["sent_s"] for r in reqs if r["turn"] == 0}
+    first: dict[str, tuple[float, dict[str, Any]]] = {}
+    for t, d in decisions:
+        first.setdefault(d["session_id"], (t - t0, d))
+    jobs = []  # (sent, dispatched, worker, seconds)
+    for session, (at, d) in first.items():
+        if d.get("prefill") and session in sent:
+            cached = int(d.get("hit_blocks", 0)) * block
+            cost = model.prefill_seconds(max(int(d["prompt_tokens"]) - cached, 0), cached)
+            jobs.append((sent[session], at, d["prefill"], cost))
+    if not jobs:
+        raise SystemExit(f"{run}: no split first turns")
+    start = max(sent.values())
+    workers = sorted({j[2] for j in jobs})
+    busy = dict.fromkeys(workers, 0.0)
+    actual = dict.fromkeys(workers, 0.0)
+    for _, at, worker, cost in sorted(jobs, key=lambda j: j[1]):
+        actual[worker] = max(actual[worker], at) + cost
+        if at < start:
+            busy[worker] = actual[worker]
+    held = [(s, c) for s, at, _, c in jobs if at >= start]
+    free = {w: max(b, start) for w, b in busy.items()}
+    out: dict[str, Any] = {
+        "lull_at_s": round(start, 3),
+        "held": len(held),
+        "held_work_s": round(sum(c for _, c in held), 3),
+        "as_dispatched": {w: round(b, 3) for w, b in actual.items()},
+    }
+    for name, longest in (("oldest_first", False), ("longest_first", True)):
+        ends, wait = list_schedule(free, held, longest_first=longest, rescue_s=rescue_s)
+        out[name] = {"busy_until_s": {w: round(b, 3) for w, b in ends.items()},
+                     "longest_wait_s": round(wait, 3)}  # fmt: skip
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -190,11 +286,20 @@ def main() -> int:
     m.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
     m.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
     m.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
+    lu = sub.add_parser(
+        "lull", help="the end of a burst: the held first turns oldest or longest first"
+    )
+    lu.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
+    lu.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
+    lu.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
+    lu.add_argument("--rescue-s", type=float, default=30.0, help="the router's lifo_max_wait_s")
     a = p.parse_args()
     if a.cmd == "watch":
         asyncio.run(watch(a.out))
     elif a.cmd == "modeled":
         print(json.dumps(modeled(_router_log(a.run), a.profile, a.block), indent=1))
+    elif a.cmd == "lull":
+        print(json.dumps(lull(a.run, a.profile, a.block, a.rescue_s), indent=1))
     else:
         print(json.dumps(report(a.run, a.watched), indent=1))
     return 0

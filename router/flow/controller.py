@@ -165,6 +165,16 @@ room. Contract:
   pool's without the lull in the same run (six pairs), while goodput dropped 6–36 % (the users
   slowed for those seconds miss 20 tokens/s): a trade, so off by default. Only while the spill
   itself is on (`pool_roles`' spill line).
+  **Longest first in a lull** (`prefill_lull_longest_first_s`): once no new item of the band has
+  arrived for that long, the items held at the stage that can no longer be in time (they waited
+  `prefill_sjf_window_s` or more; the overdue still go first, oldest first) go longest first
+  (the short, local ones among them oldest first, ahead), and the spill takes the shortest of
+  them. Nothing waiting can meet the TTFT bound any more, so the order moves no request into or
+  out of the SLO; what it moves is when the backlog ends. Oldest first (or shortest first) leaves
+  the longest prompts for last, and the run of the last one on one prefill worker, while the
+  other has nothing left, is added to the end of the burst; longest first onto whichever prefill
+  worker frees first is the classic list-scheduling rule for the shortest makespan, and the
+  slower spill is given the small ones. The next arrival ends the lull.
 * **Bounded queues.** At most `max_queued` items in all bands together, and at most
   ``band_max_queued[band]`` in one band (default: `max_queued`). An arrival that finds its own
   band full is refused. An arrival that finds the total full evicts the **newest** queued item
@@ -257,6 +267,8 @@ class FlowConfig(BaseModel):
     | `prefill_gate_lead` | ``false`` | … not counting the prompt it computes now (its next is |
     |  |  | sent meanwhile, so it does not idle for the router's round trip) |
     | `prefill_sjf_window_s` | ``2`` | … shortest first among items that waited less (null: all) |
+    | `prefill_lull_longest_first_s` | ``2`` | … and no new item for this long: the late ones |
+    |  |  | longest first, the spill taking the shortest (module docstring) |
     | `prefill_spill_after_s` | off | P/D pools: a new session held this long may be prefilled |
     |  |  | on a decode worker with room for it (module docstring) |
     | `prefill_spill_max_tokens` | ``49152`` | … whose queued prefill, with it, stays within this |
@@ -291,6 +303,7 @@ class FlowConfig(BaseModel):
     prefill_gate_tokens: int | None = Field(default=32768, ge=1)
     prefill_gate_lead: bool = False
     prefill_sjf_window_s: float | None = Field(default=2.0, gt=0)
+    prefill_lull_longest_first_s: float | None = Field(default=2.0, gt=0)
     prefill_spill_after_s: float | None = Field(default=None, ge=0)
     prefill_spill_max_tokens: int = Field(default=49152, ge=1)
     prefill_spill_margin_s: float = Field(default=0.5, ge=0)
@@ -742,7 +755,22 @@ class FlowController:
         fresh = items if window is None else [it for it in items if now - it.enqueued_at < window]
         if fresh:
             return min(fresh, key=lambda it: (it.cost, it.seq))
+        if self._stage_lull(band, now):
+            # the short (local) ones oldest first, then the stage's longest first
+            least = self.prefill_stage.min_tokens if self.prefill_stage is not None else 0
+
+            def longest(it: _Item) -> tuple[bool, int, int]:
+                staged = it.cost >= least
+                return (staged, -it.cost if staged else 0, it.seq)
+
+            return min(items, key=longest)
         return min(items, key=lambda it: it.seq)
+
+    def _stage_lull(self, band: Band, now: float) -> bool:
+        """No new item of `band` has arrived for `prefill_lull_longest_first_s` (module
+        docstring, "Longest first in a lull")."""
+        lull = self.config.prefill_lull_longest_first_s
+        return lull is not None and now - self._last_submit[band] >= lull
 
     def _stage_open(self) -> bool:
         """Some healthy prefill worker has room under `prefill_gate_tokens` (with
@@ -805,11 +833,16 @@ class FlowController:
                     self._spill_check_at = min(self._spill_check_at, first)
                 return
 
-            def order(it: _Item) -> tuple[bool, int]:
-                late = window is None or now - it.enqueued_at >= window
-                return (late, it.seq if late else it.cost)
-
-            item = min(items, key=order)
+            # in a lull the late ones go shortest first too: the long ones are the prefill
+            # workers' (module docstring, "Longest first in a lull")
+            by_seq = not self._stage_lull(band, now)
+            item = min(
+                items,
+                key=lambda it: (
+                    late := window is None or now - it.enqueued_at >= window,
+                    it.seq if late and by_seq else it.cost,
+                ),
+            )
             pending: dict[str, int] = {}
             for worker, cost in self._spilling.values():
                 pending[worker] = pending.get(worker, 0) + cost

@@ -92,6 +92,12 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     lead = {**CONFIG, "flowControl": {"prefillGateLead": True}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lead))["flow"])
     assert flow.prefill_gate_lead is True
+    default_lull = FlowConfig().prefill_lull_longest_first_s
+    assert FlowConfig.from_mapping(flags["flow"]).prefill_lull_longest_first_s == default_lull
+    for lull in (3.5, None):
+        spec = {**CONFIG, "flowControl": {"prefillLullLongestFirstSeconds": lull}}
+        flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
+        assert flow.prefill_lull_longest_first_s == lull
     off = {**CONFIG, "flowControl": {"liveSessionSeconds": None}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(off))["flow"])
     assert flow.live_session_s is None

@@ -632,3 +632,116 @@ def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
         await drain(c, futs)
 
     asyncio.run(main())
+
+
+# --- longest first in a lull of new sessions (FlowConfig.prefill_lull_longest_first_s) ----------
+
+
+async def _drain_one_at_a_time(c: FlowController, pool: Pool, futs: dict[int, Any]) -> list[int]:
+    """Free the one prefill worker for one item at a time; the order the items went in."""
+    order: list[int] = []
+    pool.tokens[0] = 0
+    for _ in range(len(futs)):
+        c.poll()
+        await settle()
+        done = [n for n, f in futs.items() if f.done() and n not in order]
+        assert len(done) == 1, done
+        order.append(done[0])
+        ticket: Ticket = futs[done[0]].result()
+        ticket.routed()
+        pool.tokens[0] = done[0]
+        ticket.release()
+        pool.tokens[0] = 0
+    return order
+
+
+@pytest.mark.parametrize(
+    ("lull", "expected"),
+    [
+        (None, [20000, 40000, 30000]),  # late: oldest first
+        (2.0, [40000, 30000, 20000]),  # late, and none arrived for 2 s: longest first
+        (5.0, [20000, 40000, 30000]),  # … but the last arrived only 2.8 s ago
+    ],
+)
+def test_in_a_lull_the_late_ones_go_longest_first(lull: float | None, expected: list[int]) -> None:
+    async def main() -> list[int]:
+        pool = Pool(50000)
+        c = make(pool, prefill_lull_longest_first_s=lull)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs: dict[int, Any] = {}
+        for n in (20000, 40000, 30000):
+            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+            await settle()
+            clock.t += 0.1
+        clock.t += 2.5  # every one waited past the 2 s window: none can be in time
+        return await _drain_one_at_a_time(c, pool, futs)
+
+    assert asyncio.run(main()) == expected
+
+
+def test_an_arrival_ends_the_lull_and_goes_first_while_it_can_be_in_time() -> None:
+    async def main() -> list[int]:
+        pool = Pool(50000)
+        c = make(pool, prefill_lull_longest_first_s=2.0)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs: dict[int, Any] = {}
+        for n in (20000, 40000, 30000):
+            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+            await settle()
+            clock.t += 0.1
+        clock.t += 2.5
+        order = await _drain_one_at_a_time(c, pool, {40000: futs.pop(40000)})  # the lull's
+        pool.tokens[0] = 50000
+        futs[45000] = asyncio.ensure_future(c.admit("new", "late-comer", 45000))
+        await settle()
+        return order + await _drain_one_at_a_time(c, pool, futs)
+
+    # the newcomer first (it can still be in time), then oldest first: no lull since it came
+    assert asyncio.run(main()) == [40000, 45000, 20000, 30000]
+
+
+def test_in_a_lull_the_overdue_still_go_first_oldest_first() -> None:
+    async def main() -> list[int]:
+        pool = Pool(50000)
+        c = make(pool, prefill_lull_longest_first_s=2.0)  # lifo_max_wait_s: 30 s
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs = {10000: asyncio.ensure_future(c.admit("new", "old", 10000))}
+        await settle()
+        clock.t += 29.0
+        futs[40000] = asyncio.ensure_future(c.admit("new", "long", 40000))
+        await settle()
+        clock.t += 3.0  # the first waited 32 s (overdue), the second 3 s; a lull
+        return await _drain_one_at_a_time(c, pool, futs)
+
+    assert asyncio.run(main()) == [10000, 40000]
+
+
+@pytest.mark.parametrize(("lull", "first"), [(None, 30000), (2.0, 20000)])
+def test_in_a_lull_the_spill_takes_the_shortest_late_one(lull: float | None, first: int) -> None:
+    """The spill is the slower way to prefill a prompt (in pieces beside the decodes): in a lull
+    it takes the shortest late item and leaves the longest to the prefill workers; otherwise
+    the oldest."""
+
+    async def main() -> int:
+        pool, dec = Pool(50000, 50000), Decoders(d1=30000)
+        c = spilling(pool, dec, prefill_lull_longest_first_s=lull)
+        clock: FakeClock = c._clock  # type: ignore[assignment]
+        futs: dict[int, Any] = {}
+        for n in (30000, 20000, 25000):
+            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+            await settle()
+            clock.t += 0.1
+        await later(c, 2.5)  # all late; held past the spill's 1 s
+        done = [n for n, f in futs.items() if f.done()]
+        assert len(done) == 1, done  # d1 had room for one
+        assert futs[done[0]].result().spill_to == "d1"
+        for f in futs.values():
+            if f.done():
+                f.result().release()
+            else:
+                f.cancel()
+        await settle()
+        assert c.stats().in_flight == 0 and not c._spilling
+        return done[0]
+
+    assert asyncio.run(main()) == first
