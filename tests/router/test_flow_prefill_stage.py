@@ -239,6 +239,24 @@ def test_held_prompts_go_shortest_first() -> None:
     asyncio.run(main())
 
 
+async def _drain_one_at_a_time(c: FlowController, pool: Pool, futs: dict[int, Any]) -> list[int]:
+    """Free the one prefill worker for one item at a time; the order the items went in."""
+    order: list[int] = []
+    pool.tokens[0] = 0
+    for _ in range(len(futs)):
+        c.poll()
+        await settle()
+        done = [n for n, f in futs.items() if f.done() and n not in order]
+        assert len(done) == 1, done
+        order.append(done[0])
+        ticket: Ticket = futs[done[0]].result()
+        ticket.routed()
+        pool.tokens[0] = done[0]
+        ticket.release()
+        pool.tokens[0] = 0
+    return order
+
+
 @pytest.mark.parametrize(
     ("window", "expected"),
     [
@@ -264,20 +282,7 @@ def test_items_that_waited_past_the_window_go_after_the_others_oldest_first(
         for n in (30000, 20000):  # just came
             futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
         await settle()
-        order: list[int] = []
-        pool.tokens[0] = 0
-        for _ in futs:
-            c.poll()
-            await settle()
-            done = [n for n, f in futs.items() if f.done() and n not in order]
-            assert len(done) == 1, done
-            order.append(done[0])
-            ticket: Ticket = futs[done[0]].result()
-            ticket.routed()
-            pool.tokens[0] = done[0]
-            ticket.release()
-            pool.tokens[0] = 0
-        return order
+        return await _drain_one_at_a_time(c, pool, futs)
 
     assert asyncio.run(main()) == expected
 
@@ -635,24 +640,6 @@ def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
 
 
 # --- longest first in a lull of new sessions (FlowConfig.prefill_lull_longest_first_s) ----------
-
-
-async def _drain_one_at_a_time(c: FlowController, pool: Pool, futs: dict[int, Any]) -> list[int]:
-    """Free the one prefill worker for one item at a time; the order the items went in."""
-    order: list[int] = []
-    pool.tokens[0] = 0
-    for _ in range(len(futs)):
-        c.poll()
-        await settle()
-        done = [n for n, f in futs.items() if f.done() and n not in order]
-        assert len(done) == 1, done
-        order.append(done[0])
-        ticket: Ticket = futs[done[0]].result()
-        ticket.routed()
-        pool.tokens[0] = done[0]
-        ticket.release()
-        pool.tokens[0] = 0
-    return order
 
 
 @pytest.mark.parametrize(
