@@ -642,6 +642,26 @@ def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
 # --- longest first in a lull of new sessions (FlowConfig.prefill_lull_longest_first_s) ----------
 
 
+async def _arrive(c: FlowController, *sizes: int) -> dict[int, Any]:
+    """New sessions of these prompt sizes, 0.1 s apart; their admissions by size."""
+    clock: FakeClock = c._clock  # type: ignore[assignment]
+    futs: dict[int, Any] = {}
+    for n in sizes:
+        futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
+        await settle()
+        clock.t += 0.1
+    return futs
+
+
+async def _three_late(pool: Pool, lull: float | None) -> tuple[FlowController, dict[int, Any]]:
+    """Three new sessions held at the stage (20K, 40K, 30K tokens), then 2.5 s on: every one
+    waited past the 2 s window, so none can be in time."""
+    c = make(pool, prefill_lull_longest_first_s=lull)
+    futs = await _arrive(c, 20000, 40000, 30000)
+    c._clock.t += 2.5  # type: ignore[attr-defined]
+    return c, futs
+
+
 @pytest.mark.parametrize(
     ("lull", "expected"),
     [
@@ -653,14 +673,7 @@ def test_spills_never_overfill_a_worker_and_the_books_return_to_zero(
 def test_in_a_lull_the_late_ones_go_longest_first(lull: float | None, expected: list[int]) -> None:
     async def main() -> list[int]:
         pool = Pool(50000)
-        c = make(pool, prefill_lull_longest_first_s=lull)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
-        futs: dict[int, Any] = {}
-        for n in (20000, 40000, 30000):
-            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
-            await settle()
-            clock.t += 0.1
-        clock.t += 2.5  # every one waited past the 2 s window: none can be in time
+        c, futs = await _three_late(pool, lull)
         return await _drain_one_at_a_time(c, pool, futs)
 
     assert asyncio.run(main()) == expected
@@ -669,14 +682,7 @@ def test_in_a_lull_the_late_ones_go_longest_first(lull: float | None, expected: 
 def test_an_arrival_ends_the_lull_and_goes_first_while_it_can_be_in_time() -> None:
     async def main() -> list[int]:
         pool = Pool(50000)
-        c = make(pool, prefill_lull_longest_first_s=2.0)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
-        futs: dict[int, Any] = {}
-        for n in (20000, 40000, 30000):
-            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
-            await settle()
-            clock.t += 0.1
-        clock.t += 2.5
+        c, futs = await _three_late(pool, 2.0)
         order = await _drain_one_at_a_time(c, pool, {40000: futs.pop(40000)})  # the lull's
         pool.tokens[0] = 50000
         futs[45000] = asyncio.ensure_future(c.admit("new", "late-comer", 45000))
@@ -712,12 +718,7 @@ def test_in_a_lull_the_spill_takes_the_shortest_late_one(lull: float | None, fir
     async def main() -> int:
         pool, dec = Pool(50000, 50000), Decoders(d1=30000)
         c = spilling(pool, dec, prefill_lull_longest_first_s=lull)
-        clock: FakeClock = c._clock  # type: ignore[assignment]
-        futs: dict[int, Any] = {}
-        for n in (30000, 20000, 25000):
-            futs[n] = asyncio.ensure_future(c.admit("new", f"s{n}", n))
-            await settle()
-            clock.t += 0.1
+        futs = await _arrive(c, 30000, 20000, 25000)
         await later(c, 2.5)  # all late; held past the spill's 1 s
         done = [n for n, f in futs.items() if f.done()]
         assert len(done) == 1, done  # d1 had room for one
