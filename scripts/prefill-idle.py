@@ -111,6 +111,12 @@ def _decisions(router_log: Path) -> Iterator[tuple[float, dict[str, Any]]]:
             yield datetime.datetime.fromisoformat(stamp).timestamp(), d
 
 
+def _split(d: dict[str, Any], block: int) -> tuple[int, int]:
+    """A split decision's prompt on its prefill worker: (uncached, cached) tokens."""
+    cached = int(d.get("hit_blocks", 0)) * block
+    return max(int(d["prompt_tokens"]) - cached, 0), cached
+
+
 def report(run: Path, watched: Path) -> dict[str, float]:
     first_decision: dict[str, tuple[float, bool]] = {}
     t_first = None
@@ -154,8 +160,7 @@ def modeled(
     sent: list[tuple[float, str, int, int]] = []
     for t, d in _decisions(router_log):
         if d.get("prefill"):
-            cached = int(d.get("hit_blocks", 0)) * block
-            sent.append((t, d["prefill"], int(d["prompt_tokens"]) - cached, cached))
+            sent.append((t, d["prefill"], *_split(d, block)))
     if not sent:
         raise SystemExit(f"{router_log}: no split decisions")
     t0 = min(x[0] for x in sent)
@@ -171,13 +176,13 @@ def modeled(
                     gaps.append(at - busy)
                     idle += at - busy
                 busy = at
-            cost = model.prefill_seconds(max(uncached, 0), cached)
+            cost = model.prefill_seconds(uncached, cached)
             busy += cost
             work += cost
         gaps.sort()
         out[worker] = {
             "dispatched": len(mine),
-            "tokens": sum(max(x[2], 0) for x in mine),
+            "tokens": sum(x[2] for x in mine),
             "work_s": round(work, 3),
             "busy_until_s": round(busy, 3),
             "idle_s": round(idle, 3),
@@ -246,8 +251,7 @@ def lull(
     jobs = []  # (sent, dispatched, worker, seconds)
     for session, (at, d) in first.items():
         if d.get("prefill") and session in sent:
-            cached = int(d.get("hit_blocks", 0)) * block
-            cost = model.prefill_seconds(max(int(d["prompt_tokens"]) - cached, 0), cached)
+            cost = model.prefill_seconds(*_split(d, block))
             jobs.append((sent[session], at, d["prefill"], cost))
     if not jobs:
         raise SystemExit(f"{run}: no split first turns")
@@ -282,16 +286,18 @@ def main() -> int:
     r = sub.add_parser("report", help="idle shares of one run")
     r.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
     r.add_argument("watched", type=Path)
-    m = sub.add_parser("modeled", help="idle gaps of the prefill workers, by the sim's model")
-    m.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
-    m.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
-    m.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
-    lu = sub.add_parser(
-        "lull", help="the end of a burst: the held first turns oldest or longest first"
+    on_model = argparse.ArgumentParser(add_help=False)  # a run's log priced by the sim's model
+    on_model.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
+    on_model.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
+    on_model.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
+    sub.add_parser(
+        "modeled", parents=[on_model], help="idle gaps of the prefill workers, by the sim's model"
     )
-    lu.add_argument("run", type=Path, help="the run's log folder (ROUTER-cN)")
-    lu.add_argument("--profile", default="h200-bf16-tp8", help="the sim's hardware profile")
-    lu.add_argument("--block", type=int, default=16, help="the router's block size (tokens)")
+    lu = sub.add_parser(
+        "lull",
+        parents=[on_model],
+        help="the end of a burst: the held first turns oldest or longest first",
+    )
     lu.add_argument("--rescue-s", type=float, default=30.0, help="the router's lifo_max_wait_s")
     a = p.parse_args()
     if a.cmd == "watch":

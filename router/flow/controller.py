@@ -758,22 +758,20 @@ class FlowController:
         fresh = items if window is None else [it for it in items if now - it.enqueued_at < window]
         if fresh:
             return min(fresh, key=lambda it: (it.cost, it.seq))
-        if self._stage_lull(band, now):
+        if self._quiet(band, now, self.config.prefill_lull_longest_first_s):
             # the short (local) ones oldest first, then the stage's longest first
-            least = self.prefill_stage.min_tokens if self.prefill_stage is not None else 0
 
             def longest(it: _Item) -> tuple[bool, int, int]:
-                staged = it.cost >= least
+                staged = self._staged(it, True)
                 return (staged, -it.cost if staged else 0, it.seq)
 
             return min(items, key=longest)
         return min(items, key=lambda it: it.seq)
 
-    def _stage_lull(self, band: Band, now: float) -> bool:
-        """No new item of `band` has arrived for `prefill_lull_longest_first_s` (module
-        docstring, "Longest first in a lull")."""
-        lull = self.config.prefill_lull_longest_first_s
-        return lull is not None and now - self._last_submit[band] >= lull
+    def _quiet(self, band: Band, now: float, seconds: float | None) -> bool:
+        """No new item of `band` has arrived for `seconds` (None: never quiet) — a lull of new
+        sessions (module docstring, "The spill in a lull", "Longest first in a lull")."""
+        return seconds is not None and now - self._last_submit[band] >= seconds
 
     def _stage_open(self) -> bool:
         """Some healthy prefill worker has room under `prefill_gate_tokens` (with
@@ -821,6 +819,15 @@ class FlowController:
             self.spill_yields += 1
             self._spill_check_at = min(self._spill_check_at, now + SPILL_POLL_S)
             return
+        lull = self._lull(band, now)
+        # in a lull the late ones go shortest first too: the long ones are the prefill workers'
+        # (module docstring, "Longest first in a lull")
+        by_seq = not self._quiet(band, now, self.config.prefill_lull_longest_first_s)
+
+        def order(it: _Item) -> tuple[bool, int]:
+            late = window is None or now - it.enqueued_at >= window
+            return (late, it.seq if late and by_seq else it.cost)
+
         while True:
             held = [
                 it
@@ -836,20 +843,10 @@ class FlowController:
                     self._spill_check_at = min(self._spill_check_at, first)
                 return
 
-            # in a lull the late ones go shortest first too: the long ones are the prefill
-            # workers' (module docstring, "Longest first in a lull")
-            by_seq = not self._stage_lull(band, now)
-            item = min(
-                items,
-                key=lambda it: (
-                    late := window is None or now - it.enqueued_at >= window,
-                    it.seq if late and by_seq else it.cost,
-                ),
-            )
+            item = min(items, key=order)
             pending: dict[str, int] = {}
             for worker, cost in self._spilling.values():
                 pending[worker] = pending.get(worker, 0) + cost
-            lull = self._lull(band, now)
             target = stage.spill(item.cost, pending, lull)
             if target is None:
                 # the decode workers' users may gain slack as they stream: look again soon
@@ -867,11 +864,7 @@ class FlowController:
         """No new item of `band` has arrived for the spill's `lull_s` (module docstring, "The
         spill in a lull")."""
         rule = self._spill
-        return (
-            rule is not None
-            and rule.lull_s is not None
-            and (now - self._last_submit[band] >= rule.lull_s)
-        )
+        return rule is not None and self._quiet(band, now, rule.lull_s)
 
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest
