@@ -36,9 +36,11 @@ import httpx
 
 from .agentic_procs import (
     ROUTERS,
+    BusySampler,
     ProcError,
     Procs,
     RouterSpec,
+    busy_figures,
     package_version,
     router_counters,
     sigterm_as_exception,
@@ -352,16 +354,20 @@ def _one_run(
         router = start_router(procs, spec, workers)
         builder = PromptBuilder(cfg.block_tokens)
         cpu0 = router.cpu_seconds()
-        records, dur = asyncio.run(
-            run_level(
-                router.url,
-                cfg.sessions,
-                level,
-                builder,
-                request_timeout_s=cfg.request_timeout_s,
-                on_request=tick,
+        sampler = BusySampler([w.url for w in workers]).start()
+        try:
+            records, dur = asyncio.run(
+                run_level(
+                    router.url,
+                    cfg.sessions,
+                    level,
+                    builder,
+                    request_timeout_s=cfg.request_timeout_s,
+                    on_request=tick,
+                )
             )
-        )
+        finally:
+            samples = sampler.stop()
         cpu1 = router.cpu_seconds()
         alive = router.alive()
         beam = spec.kind == "beamserve" and spec.replicas == 1  # xN: behind HAProxy
@@ -381,6 +387,8 @@ def _one_run(
         # worker-seconds (`beamserve.workers.sim.engine`, "Host lateness")
         "worker_step_lag_s": lag,
         "worker_step_lag_share": lag / (dur * len(workers)) if dur > 0 and workers else None,
+        # the sim engines' busy seconds, sampled over the run (`busy_figures`)
+        **busy_figures(samples),
     }
     return out
 
@@ -442,14 +450,14 @@ def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
         width = max((len(r.router) for r in results), default=6)
         t.add_column("router", no_wrap=True, min_width=width)
         for c in ("ok/req", "errors", "tok/s/GPU", "out/s/GPU", "TTFT p50", "p90", "p99",
-                  "user tok/s p50", "p90", "hit", "goodput/s", "CPU ms/req"):  # fmt: skip
+                  "user tok/s p50", "p90", "hit", "goodput/s", "CPU ms/req", "busy"):  # fmt: skip
             t.add_column(c, justify="right")
         for r in results:
             if r.concurrency != level:
                 continue
             d = r.data
             if r.skipped:
-                t.add_row(r.router, "skipped", r.skipped[:60], *[""] * 10)
+                t.add_row(r.router, "skipped", r.skipped[:60], *[""] * 11)
                 continue
             t.add_row(*_cells(r.router, d))
         out.append(t)
@@ -495,7 +503,8 @@ def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
 def markdown(results: Sequence[LevelResult]) -> str:
     """The tables as Markdown, one per concurrency level (for docs/bench/agentic.md)."""
     head = ("router", "ok/req", "errors", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 s", "p90",
-            "p99", "user tok/s p50", "p90", "hit", "goodput r/s", "router CPU ms/req")  # fmt: skip
+            "p99", "user tok/s p50", "p90", "hit", "goodput r/s", "router CPU ms/req",
+            "workers busy")  # fmt: skip
     lines: list[str] = []
     for level in sorted({r.concurrency for r in results}):
         lines += [f"**Concurrency {level}**", "", "| " + " | ".join(head) + " |",
@@ -536,4 +545,5 @@ def _cells(router: str, d: dict[str, Any]) -> list[str]:
         _f(d["cache_hit_ratio"], ".3f"),
         _f(d["goodput_rps"], ".3f"),
         _f(cpu * 1e3 if cpu is not None else None, ".1f"),
+        _f(d.get("worker_busy_share"), ".3f"),
     ]

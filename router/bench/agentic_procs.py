@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -294,6 +295,98 @@ def worker_step_lag_s(url: str, timeout_s: float = 5.0) -> float:
     text = _metrics_text(url, timeout_s)
     m = re.search(r"^beamserve_worker_step_lag_seconds_total\s+(\S+)", text or "", re.M)
     return float(m.group(1)) if m else 0.0
+
+
+# A sim worker's engine counters the bench samples over a run (`workers/server/metrics.py`).
+_BUSY_NAMES = (
+    "beamserve_worker_busy_seconds_total",
+    "beamserve_worker_prefill_busy_seconds_total",
+    "beamserve_worker_prefill_computed_tokens_total",
+)
+
+
+def worker_busy(url: str, timeout_s: float = 5.0) -> tuple[float, float, float] | None:
+    """A sim worker's engine seconds in steps, in steps with prefill, and prompt tokens
+    computed; None when it cannot be read or does not export them (not a sim worker)."""
+    import re
+
+    text = _metrics_text(url, timeout_s) or ""
+    got = [re.search(rf"^{n}\s+(\S+)", text, re.M) for n in _BUSY_NAMES]
+    if not all(got):
+        return None
+    busy, prefill_busy, tokens = (float(m.group(1)) for m in got if m)
+    return busy, prefill_busy, tokens
+
+
+class BusySampler:
+    """Reads every worker's `worker_busy` counters every `every_s` seconds, on a thread, from
+    `start` until `stop`; `samples` holds `(seconds since start, [counters per worker])`, a
+    worker that could not be read once repeating its last value (0 before any)."""
+
+    def __init__(self, urls: Sequence[str], every_s: float = 2.0) -> None:
+        self.urls = list(urls)
+        self.every_s = every_s
+        self.samples: list[tuple[float, list[tuple[float, float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _read(self) -> None:
+        last = self.samples[-1][1] if self.samples else [(0.0, 0.0, 0.0)] * len(self.urls)
+        pairs = zip(self.urls, last, strict=True)
+        row = [worker_busy(u, timeout_s=1.0) or prev for u, prev in pairs]
+        self.samples.append((time.monotonic() - self._t0, row))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._read()
+
+    def start(self) -> BusySampler:
+        self._t0 = time.monotonic()
+        self._read()
+        self._thread = threading.Thread(target=self._loop, name="busy-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, list[tuple[float, float, float]]]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._read()
+        return self.samples
+
+
+def busy_figures(
+    samples: Sequence[tuple[float, Sequence[tuple[float, float, float]]]],
+) -> dict[str, Any]:
+    """What a run's `BusySampler` samples say: each worker's engine seconds in steps over
+    the sampled span (`worker_busy_s`; in steps with prefill: `worker_prefill_busy_s`), the
+    prompt tokens it computed, the pool's busy share (Σ busy ÷ (span × workers)), and the
+    busy share of each worker in each interval between samples (`worker_busy_timeline`:
+    `t` the interval's end, seconds from the first sample). Empty when there are fewer than
+    two samples or the workers export no such counters (all zero)."""
+    if len(samples) < 2:
+        return {}
+    (t0, first), (t1, last) = samples[0], samples[-1]
+    n = len(first)
+    span = t1 - t0
+    busy = [last[i][0] - first[i][0] for i in range(n)]
+    if span <= 0 or n == 0 or not any(last[i][0] for i in range(n)):
+        return {}
+    timeline: dict[str, list[Any]] = {"t": [], "busy": []}
+    for (ta, a), (tb, b) in itertools.pairwise(samples):
+        if tb > ta:
+            timeline["t"].append(round(tb - t0, 3))
+            timeline["busy"].append(
+                [round(min(1.0, max(0.0, (b[i][0] - a[i][0]) / (tb - ta))), 4) for i in range(n)]
+            )
+    return {
+        "worker_busy_share": sum(busy) / (span * n),
+        "worker_busy_s": busy,
+        "worker_prefill_busy_s": [last[i][1] - first[i][1] for i in range(n)],
+        "worker_prefill_computed_tokens": [int(last[i][2] - first[i][2]) for i in range(n)],
+        "worker_busy_timeline": timeline,
+    }
 
 
 # The router's counters a run records (`router_counters`): what its flow rules and P/D did.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from beamserve.kvwire.codec import ApproxCodec
 from beamserve.router.bench.agentic import AgenticConfig, run_agentic
-from beamserve.router.bench.agentic_procs import ROUTERS
+from beamserve.router.bench.agentic_procs import ROUTERS, busy_figures
 from beamserve.router.bench.agentic_stats import (
     RequestRecord,
     is_token_chunk,
@@ -27,6 +27,8 @@ from beamserve.router.bench.agentic_workload import (
     load_sessions,
     session_files,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.conftest import RunBeamserve
 
@@ -179,6 +181,45 @@ def test_summary_goodput_errors_cache_hits() -> None:
     assert st.user_tok_s_p50 == pytest.approx(64.0)
 
 
+def test_busy_figures_from_two_workers_samples() -> None:
+    samples = [
+        (0.0, [(10.0, 4.0, 1000.0), (0.0, 0.0, 0.0)]),
+        (2.0, [(12.0, 5.0, 3000.0), (1.0, 0.0, 0.0)]),
+        (4.0, [(13.0, 5.0, 3000.0), (3.0, 2.0, 500.0)]),
+    ]
+    f = busy_figures(samples)
+    assert f["worker_busy_s"] == [3.0, 3.0]  # counted from the first sample, not from zero
+    assert f["worker_prefill_busy_s"] == [1.0, 2.0]
+    assert f["worker_prefill_computed_tokens"] == [2000, 500]
+    assert f["worker_busy_share"] == pytest.approx(6.0 / (4.0 * 2))
+    assert f["worker_busy_timeline"] == {"t": [2.0, 4.0], "busy": [[1.0, 0.5], [0.5, 1.0]]}
+    assert busy_figures(samples[:1]) == {}  # one sample: no span
+    idle = [(0.0, [(0.0, 0.0, 0.0)]), (2.0, [(0.0, 0.0, 0.0)])]
+    assert busy_figures(idle) == {}  # workers without the counters (peers' engines, ref)
+
+
+_counter_steps = st.lists(
+    st.lists(st.floats(0.0, 3.0), min_size=2, max_size=2), min_size=1, max_size=12
+)
+
+
+@given(_counter_steps, st.lists(st.floats(0.5, 3.0), min_size=12, max_size=12))
+def test_busy_figures_shares_stay_in_range_and_add_up(
+    steps: list[list[float]], gaps: list[float]
+) -> None:
+    t, c = 0.0, [1.0, 1.0]
+    samples = [(t, [(c[0], 0.0, 0.0), (c[1], 0.0, 0.0)])]
+    for step, gap in zip(steps, gaps, strict=False):
+        t += gap
+        c = [c[0] + step[0], c[1] + step[1]]
+        samples.append((t, [(c[0], 0.0, 0.0), (c[1], 0.0, 0.0)]))
+    f = busy_figures(samples)
+    assert f["worker_busy_s"] == pytest.approx([c[0] - 1.0, c[1] - 1.0])
+    assert all(0.0 <= x <= 1.0 for row in f["worker_busy_timeline"]["busy"] for x in row)
+    assert len(f["worker_busy_timeline"]["t"]) == len(steps)
+    assert f["worker_busy_share"] == pytest.approx(sum(f["worker_busy_s"]) / (2 * t))
+
+
 def test_peer_not_installed_is_skipped_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BEAMSERVE_PEERS_VENV", "/nonexistent/venv")
     why = ROUTERS["smg-cache_aware"].unavailable()
@@ -232,6 +273,10 @@ def test_self_contained_run_through_the_beamserve_router(
     assert row["ttft_p50_s"] > 0 and row["output_tok_s"] > 0 and row["router_cpu_s"] > 0
     assert row["cache_hit_ratio"] is not None and row["cache_hit_ratio"] > 0  # turns extend
     assert row["versions"]["beamserve"]
+    # the sim workers' busy seconds, sampled over the run
+    assert 0 < row["worker_busy_share"] <= 1 and len(row["worker_busy_s"]) == 2
+    assert sum(row["worker_prefill_computed_tokens"]) > 0
+    assert row["worker_busy_timeline"]["t"] and len(row["worker_busy_timeline"]["busy"][0]) == 2
     assert (tmp_path / "agentic.png").stat().st_size > 1000
     md = tmp_path / "agentic.md"
     r = beamserve("bench", "agentic", "--from-json", str(out), "--markdown", str(md), timeout=60)

@@ -83,6 +83,13 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(sim: WorkerProc) -> None:
     m = metrics(sim)
     assert m["vllm:prefix_cache_hits_total"] > 0
     assert m["vllm:prompt_tokens_total"] == 2 * n
+    # the engine computed the first prompt whole and the second past its cached blocks
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert m["beamserve_worker_prefill_computed_tokens_total"] == 2 * n - cached
+    busy, prefill_busy = (
+        m[f"beamserve_worker_{k}_total"] for k in ("busy_seconds", "prefill_busy_seconds")
+    )
+    assert 0 < prefill_busy <= busy
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
                  "beamserve_worker_kv_recompute_fallbacks_total"):  # fmt: skip

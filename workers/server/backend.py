@@ -173,6 +173,11 @@ class WorkerStats:
     kv_event_batches_dropped: int = 0
     queued_prefill_tokens: int | None = None  # None: the engine cannot tell (not exported)
     step_lag_seconds: float = 0.0  # sim: time lost to a busy host (`SimEngine`, "Host lateness")
+    # sim: engine seconds spent in steps, those in steps with prefill, prompt tokens computed;
+    # None: the engine cannot tell (not exported)
+    busy_seconds: float | None = None
+    prefill_busy_seconds: float | None = None
+    prefill_computed_tokens: int | None = None
 
 
 class Backend(Protocol):

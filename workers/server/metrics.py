@@ -17,7 +17,11 @@ transfer failed and were prefilled locally), `beamserve_worker_kv_transfers_tota
 `beamserve_worker_kv_transfer_bytes_total`, `beamserve_worker_kv_leases_held`,
 `beamserve_worker_kv_event_batches_total`, `beamserve_worker_kv_event_batches_dropped_total`,
 `beamserve_worker_ready`, the sim's `beamserve_worker_step_lag_seconds_total` (engine time lost to a
-busy host: `beamserve.workers.sim.engine`, "Host lateness"), and the gauge
+busy host: `beamserve.workers.sim.engine`, "Host lateness"), the sim's
+`beamserve_worker_busy_seconds_total`, `…_prefill_busy_seconds_total` (engine seconds
+spent in steps, and in steps that computed some prompt) and `…_prefill_computed_tokens_total`
+(prompt tokens computed: cache misses and recomputes), which `beamserve bench agentic` samples for
+each worker's busy share over a run, and the gauge
 `beamserve_worker_queued_prefill_tokens`: prompt tokens still to compute for requests waiting or in
 prefill (waiting ones net of their current prefix-cache hit). Neither vLLM nor SGLang exports such a
 gauge on `/metrics` (vLLM counts waiting *requests*; SGLang's token load is only on its `/get_load`
@@ -37,6 +41,10 @@ from prometheus_client.registry import Collector
 
 Api = Literal["vllm", "sglang"]
 QUEUED_PREFILL_TOKENS = "beamserve_worker_queued_prefill_tokens"
+# counters without the `_total` suffix, which the exposition adds
+BUSY_SECONDS = "beamserve_worker_busy_seconds"
+PREFILL_BUSY_SECONDS = "beamserve_worker_prefill_busy_seconds"
+PREFILL_COMPUTED_TOKENS = "beamserve_worker_prefill_computed_tokens"
 _TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -235,6 +243,25 @@ class _StatsCollector(Collector):
                 ("beamserve_worker_ready", "1 while the engine can serve.", float(self._ready())),
             ],
         )
+        if s.busy_seconds is not None:
+            yield from self._family(
+                CounterMetricFamily,
+                [],
+                [],
+                [
+                    (BUSY_SECONDS, "sim: engine seconds spent in steps.", s.busy_seconds),
+                    (
+                        PREFILL_BUSY_SECONDS,
+                        "sim: engine seconds spent in steps that computed some prompt.",
+                        s.prefill_busy_seconds or 0.0,
+                    ),
+                    (
+                        PREFILL_COMPUTED_TOKENS,
+                        "sim: prompt tokens computed (prefix-cache misses and recomputes).",
+                        s.prefill_computed_tokens or 0,
+                    ),
+                ],
+            )
         if s.queued_prefill_tokens is not None:
             yield from self._family(
                 GaugeMetricFamily,

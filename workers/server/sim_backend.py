@@ -291,6 +291,9 @@ class SimBackend:
             kv_event_batches_dropped=s.kv_event_batches_dropped,
             queued_prefill_tokens=s.queued_prefill_tokens,
             step_lag_seconds=s.step_lag_seconds,
+            busy_seconds=s.busy_seconds,
+            prefill_busy_seconds=s.prefill_busy_seconds,
+            prefill_computed_tokens=s.prefill_computed_tokens,
         )
 
     def server_info(self) -> dict[str, Any]:

@@ -61,7 +61,9 @@ class EngineStats:
     Counters: tokens in prompts, generated, queried against and hit in the prefix cache
     [prefix_cache_queries / prefix_cache_hits], host-tier hits, window tokens recomputed,
     preemptions, steps, finished / failed requests, KV batches emitted / dropped;
-    `busy_seconds`: clock seconds spent in steps. `queued_prefill_tokens`: prompt tokens still
+    `busy_seconds`: clock seconds spent in steps, `prefill_busy_seconds` those in steps that
+    computed some prompt, `prefill_computed_tokens`: prompt tokens computed (misses and
+    recomputes; cache hits are not). `queued_prefill_tokens`: prompt tokens still
     to compute for requests waiting or in prefill (`Scheduler.queued_prefill_tokens`; no vLLM
     or SGLang counterpart on `/metrics`). `step_lag_seconds`: time lost to late step-end
     timers (module docstring, "Host lateness").
@@ -94,6 +96,8 @@ class EngineStats:
     kv_event_batches_dropped: int
     queued_prefill_tokens: int = 0
     step_lag_seconds: float = 0.0  # time lost to late step-end timers (module docstring)
+    prefill_busy_seconds: float = 0.0
+    prefill_computed_tokens: int = 0
 
 
 # Step-end lateness up to this is caught up (module docstring, "Host lateness"): far above a
@@ -275,6 +279,8 @@ class SimEngine:
             kv_event_batches_dropped=self._dropped,
             queued_prefill_tokens=self._sched.queued_prefill_tokens(),
             step_lag_seconds=self._lag_s,
+            prefill_busy_seconds=c.prefill_busy_seconds,
+            prefill_computed_tokens=c.prefill_computed_tokens,
         )
 
     @property

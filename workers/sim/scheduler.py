@@ -287,6 +287,8 @@ class SchedulerCounters:
     host_hits_tokens: int = 0
     window_recompute_tokens: int = 0
     busy_seconds: float = 0.0
+    prefill_busy_seconds: float = 0.0  # steps that computed some prompt
+    prefill_computed_tokens: int = 0  # prompt tokens computed (cache misses, recomputes)
 
 
 class Scheduler:
@@ -447,6 +449,9 @@ class Scheduler:
         step = c.steps
         c.steps += 1
         c.busy_seconds += end - plan.start
+        if plan.work.prefill_tokens:
+            c.prefill_busy_seconds += end - plan.start
+            c.prefill_computed_tokens += plan.work.prefill_tokens
         kv = self.kv
         S = self.slots
         out: list[Emission] = []
