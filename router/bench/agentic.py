@@ -500,6 +500,41 @@ def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_busy(results: Sequence[LevelResult], path: Path, title: str) -> bool:
+    """The workers' busy share over each run (`worker_busy_timeline`, the mean of the pool's
+    workers per interval), one panel per concurrency level, one curve per router; False (and
+    no file) when no run recorded one (peers' engines, `--target`)."""
+    rows = [r for r in results if not r.skipped and r.data.get("worker_busy_timeline")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r.concurrency for r in rows})
+    fig, axes = plt.subplots(len(levels), 1, figsize=(8, 3.2 * len(levels)), squeeze=False)
+    for ax, level in zip(axes[:, 0], levels, strict=True):
+        for r in rows:
+            if r.concurrency != level:
+                continue
+            tl = r.data["worker_busy_timeline"]
+            mean = [sum(b) / len(b) for b in tl["busy"]]
+            share = r.data["worker_busy_share"]
+            ax.plot(tl["t"], mean, label=f"{r.router} (busy {share:.3f})", lw=1.2)
+        ax.set_title(f"{title} — concurrency {level}", fontsize=9)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("workers busy (mean share)")
+        ax.set_ylim(0, 1.05)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def markdown(results: Sequence[LevelResult]) -> str:
     """The tables as Markdown, one per concurrency level (for docs/bench/agentic.md)."""
     head = ("router", "ok/req", "errors", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 s", "p90",

@@ -441,6 +441,9 @@ def _outputs(results: Any, args: argparse.Namespace, title: str, console: Consol
     if plot_path is not None:
         agentic.plot(results, plot_path, title)
         console.print(f"wrote {plot_path}")
+        busy_path = plot_path.with_name(plot_path.stem + "-busy.png")
+        if agentic.plot_busy(results, busy_path, title):
+            console.print(f"wrote {busy_path}")
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(agentic.markdown(results))

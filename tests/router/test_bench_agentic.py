@@ -278,6 +278,7 @@ def test_self_contained_run_through_the_beamserve_router(
     assert sum(row["worker_prefill_computed_tokens"]) > 0
     assert row["worker_busy_timeline"]["t"] and len(row["worker_busy_timeline"]["busy"][0]) == 2
     assert (tmp_path / "agentic.png").stat().st_size > 1000
+    assert (tmp_path / "agentic-busy.png").stat().st_size > 1000  # the busy share over the run
     md = tmp_path / "agentic.md"
     r = beamserve("bench", "agentic", "--from-json", str(out), "--markdown", str(md), timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
