@@ -463,6 +463,13 @@ class FlowControlSpec(_Model):
     prefill_spill_lull_max_tokens: Annotated[int, Field(ge=1)] | None = None
     """A decode worker's queued prefill bound for the spill in a lull; null:
     prefillSpillMaxTokens."""
+    prefill_spill_lull_below_peak: Annotated[float, Field(gt=0, le=1)] | None = 0.9
+    """The spill in a lull only while the pool is draining: its active sessions under this
+    share of their peak over prefillSpillLullPeakSeconds (a quiet spell at the peak, when many
+    sessions opened at once, is no end of a burst); null: any quiet spell (docs/policies.md,
+    "The spill in a lull")."""
+    prefill_spill_lull_peak_seconds: Annotated[float, Field(gt=0)] = 60.0
+    """The window of that peak."""
     prefill_piece_min_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker, is
     prefilled in pieces: the router first sends its prompt's growing prefixes

@@ -121,6 +121,8 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
                 config.flow_control.prefill_spill_lull_user_tokens_per_second
             ),
             "prefill_spill_lull_max_tokens": config.flow_control.prefill_spill_lull_max_tokens,
+            "prefill_spill_lull_below_peak": config.flow_control.prefill_spill_lull_below_peak,
+            "prefill_spill_lull_peak_s": config.flow_control.prefill_spill_lull_peak_seconds,
             "prefill_piece_min_tokens": config.flow_control.prefill_piece_min_tokens,
             "prefill_piece_tokens": config.flow_control.prefill_piece_tokens,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,

@@ -144,6 +144,10 @@ class RouterRuntime:
             self._spill_target if self._spill_rule is not None else None,
         )
         self.core.on_prefill_done = self.flow.poll
+        # The spill in a lull asks whether the pool is draining (`FlowController`).
+        self.flow.active_sessions = lambda: self.loads.active_sessions(
+            self.core.open_dispatches + self.flow.waiting
+        )
         self.sessions = make_session_store(c.redis_url, op_timeout_s=c.redis_op_timeout_s)
         self.facts = FactsBook(geometry)
         # A `kv_both` pool's roles by load (`beamserve.router.policy.pool_roles`; None: fixed).

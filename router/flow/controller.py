@@ -164,7 +164,15 @@ room. Contract:
   128 agents): the run ended 1–6 s sooner and its throughput was 0.8–4.6 % higher than the same
   pool's without the lull in the same run (six pairs), while goodput dropped 6–36 % (the users
   slowed for those seconds miss 20 tokens/s): a trade, so off by default. Only while the spill
-  itself is on (`pool_roles`' spill line).
+  itself is on (`pool_roles`' spill line). A quiet spell is not always the end of a burst: when
+  many sessions open at once (a closed-loop benchmark's start, a batch of agents launched
+  together) the next arrives only once one of them ends, and the lull's slower users would be
+  the few the pool serves. So the lull also asks that the pool is draining: its active sessions
+  (`FlowController.active_sessions`, the pool-roles signal: requests admitted or queued and
+  sessions resting between turns) under `prefill_spill_lull_below_peak` (0.9) of their peak
+  over the last `prefill_spill_lull_peak_s` (60 s), sampled at every admission (null, or no
+  source: any lull). Over HTTP (docs/bench/agentic.md, "Where the GPU time goes") the rule
+  without it lost as much goodput in the first 30 s of a 128-agent run as at its end.
   **Longest first in a lull** (`prefill_lull_longest_first_s`): once no new item of the band has
   arrived for that long, the items held at the stage that can no longer be in time (they waited
   `prefill_sjf_window_s` or more; the overdue still go first, oldest first) go longest first
@@ -282,6 +290,9 @@ class FlowConfig(BaseModel):
     | `prefill_spill_lull_s` | off | no new item for this long: the spill in a lull (module |
     |  |  | docstring), users kept at `prefill_spill_lull_user_tok_s` (``10``), queued |
     |  |  | prefill within `prefill_spill_lull_max_tokens` (null: the spill's) |
+    | `prefill_spill_lull_below_peak` | ``0.9`` | … and only while the pool's active sessions |
+    |  |  | are under this share of their peak over `prefill_spill_lull_peak_s` (``60``); |
+    |  |  | null: any lull (module docstring) |
     | `pace_hold_*` | off | the pace hold's keys (`beamserve.router.flow.pace_hold`) |
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
@@ -315,6 +326,8 @@ class FlowConfig(BaseModel):
     prefill_spill_lull_s: float | None = Field(default=None, gt=0)
     prefill_spill_lull_user_tok_s: float = Field(default=10.0, gt=0)
     prefill_spill_lull_max_tokens: int | None = Field(default=None, ge=1)
+    prefill_spill_lull_below_peak: float | None = Field(default=0.9, gt=0, le=1)
+    prefill_spill_lull_peak_s: float = Field(default=60.0, gt=0)
     pace_hold_tokens: int | None = Field(default=None, ge=1)
     pace_hold_max_s: float = Field(default=1.5, gt=0)
     pace_hold_user_tok_s: float = Field(default=20.0, gt=0)
@@ -557,6 +570,11 @@ class FlowController:
         self.spilled = 0  # items the stage spilled to a decode worker (a counter)
         self.spill_yields = 0  # spill checks that yielded to an overdue short item (a counter)
         self.lull_spilled = 0  # of `spilled`, those spilled in a lull of new items (a counter)
+        # The pool's active sessions now (`LoadBook.active_sessions`; None: unknown, any lull
+        # counts), and their peak over `prefill_spill_lull_peak_s`: (time, count), the counts
+        # falling (module docstring, "The spill in a lull").
+        self.active_sessions: Callable[[], int] | None = None
+        self._active_peaks: deque[tuple[float, int]] = deque()
 
     # --- public --------------------------------------------------------------------------------
 
@@ -583,6 +601,8 @@ class FlowController:
         )
         self._submitted[band] += 1
         self._last_submit[band] = now
+        if self._spill is not None and self._spill.lull_s is not None:
+            self._active_peak(now)
         self._enqueue(item, now)  # raises Shed when refused
         self._pump()
         try:
@@ -861,10 +881,30 @@ class FlowController:
             self.lull_spilled += lull
 
     def _lull(self, band: Band, now: float) -> bool:
-        """No new item of `band` has arrived for the spill's `lull_s` (module docstring, "The
-        spill in a lull")."""
+        """No new item of `band` has arrived for the spill's `lull_s`, and the pool is draining
+        (module docstring, "The spill in a lull")."""
         rule = self._spill
-        return rule is not None and self._quiet(band, now, rule.lull_s)
+        if rule is None or not self._quiet(band, now, rule.lull_s):
+            return False
+        share = self.config.prefill_spill_lull_below_peak
+        if share is None or self.active_sessions is None:
+            return True
+        active, peak = self._active_peak(now)
+        return active < share * peak
+
+    def _active_peak(self, now: float) -> tuple[int, int]:
+        """Sample the pool's active sessions: (now, their peak over the window)."""
+        if self.active_sessions is None:
+            return 0, 0
+        active = self.active_sessions()
+        peaks = self._active_peaks
+        while peaks and peaks[-1][1] <= active:
+            peaks.pop()
+        peaks.append((now, active))
+        horizon = now - self.config.prefill_spill_lull_peak_s
+        while peaks[0][0] < horizon:
+            peaks.popleft()
+        return active, peaks[0][1]
 
     def _lifo(self, band: Band, now: float) -> bool:
         """Adaptive LIFO (module docstring): `band` is below ``continuing`` and its oldest

@@ -98,6 +98,16 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
         spec = {**CONFIG, "flowControl": {"prefillLullLongestFirstSeconds": lull}}
         flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
         assert flow.prefill_lull_longest_first_s == lull
+    default = FlowConfig()
+    flow = FlowConfig.from_mapping(flags["flow"])
+    assert (flow.prefill_spill_lull_below_peak, flow.prefill_spill_lull_peak_s) == (
+        default.prefill_spill_lull_below_peak,
+        default.prefill_spill_lull_peak_s,
+    )
+    drain = {"prefillSpillLullBelowPeak": None, "prefillSpillLullPeakSeconds": 30}
+    spec = {**CONFIG, "flowControl": drain}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
+    assert (flow.prefill_spill_lull_below_peak, flow.prefill_spill_lull_peak_s) == (None, 30)
     off = {**CONFIG, "flowControl": {"liveSessionSeconds": None}}
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(off))["flow"])
     assert flow.live_session_s is None

@@ -589,6 +589,70 @@ def test_a_new_arrival_ends_the_lull() -> None:
     asyncio.run(main())
 
 
+def test_a_quiet_spell_at_the_pools_peak_is_no_lull_until_the_pool_drains() -> None:
+    """Many sessions opened at once and none since (a closed-loop run's start): quiet, but the
+    pool serves as many sessions as ever, so the spill keeps its own rule; once the active
+    sessions fall under `prefill_spill_lull_below_peak` of their peak, the lull's rule goes."""
+
+    async def main() -> None:
+        pool = Pool(50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=100000)
+        c = lulling(pool, normal, lull)
+        active = [40]
+        c.active_sessions = lambda: active[0]
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        await settle()
+        await later(c, 3.0)  # quiet for 3 s, 40 sessions of a peak of 40
+        assert not a.done() and normal.asked and not lull.asked
+        active[0] = 37  # 0.925 of the peak: not yet under 0.9
+        await later(c, 1.0)
+        assert not a.done() and not lull.asked
+        active[0] = 35  # 0.875 of the peak: draining
+        await later(c, 0.1)
+        assert a.done() and a.result().spill_lull and c.lull_spilled == 1
+        a.result().release()
+
+    asyncio.run(main())
+
+
+def test_the_peak_is_the_highest_count_within_its_window() -> None:
+    """A pool that settled at a lower level long ago is not draining: a peak older than
+    `prefill_spill_lull_peak_s` is forgotten."""
+
+    async def main() -> None:
+        pool = Pool(50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=100000)
+        c = lulling(pool, normal, lull, prefill_spill_lull_peak_s=10.0)
+        active = [40]
+        c.active_sessions = lambda: active[0]
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))  # the peak, 40, sampled at t=0
+        await settle()
+        active[0] = 30
+        await later(c, 11.0)  # the peak is 11 s old: the window holds 30 alone
+        assert not a.done() and not lull.asked
+        active[0] = 26  # under 0.9 of 30
+        await later(c, 0.1)
+        assert a.done() and c.lull_spilled == 1
+        a.result().release()
+
+    asyncio.run(main())
+
+
+def test_without_the_drain_share_any_quiet_spell_is_a_lull() -> None:
+    async def main() -> None:
+        pool = Pool(50000)
+        normal, lull = Decoders(d1=0), Decoders(d1=100000)
+        c = lulling(pool, normal, lull, prefill_spill_lull_below_peak=None)
+        c.active_sessions = lambda: 40  # at its peak, and it does not matter
+        a = asyncio.ensure_future(c.admit("new", "a", 30000))
+        await settle()
+        await later(c, 2.5)
+        assert a.done() and c.lull_spilled == 1
+        a.result().release()
+
+    asyncio.run(main())
+
+
 def test_without_a_lull_rule_the_spill_never_asks_for_one() -> None:
     async def main() -> None:
         pool = Pool(50000)

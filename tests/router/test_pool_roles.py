@@ -240,6 +240,19 @@ def test_the_router_spills_only_where_the_pool_roles_let_it() -> None:
         assert (rt._spill_target(1000, {}) is not None) == spills, active
 
 
+def test_the_flow_controller_reads_the_pools_active_sessions_for_its_lull() -> None:
+    """The spill in a lull asks whether the pool is draining: the runtime gives the flow
+    controller the same count the pool roles read (requests admitted or queued here, sessions
+    resting)."""
+    specs = [{"url": f"http://127.0.0.1:{9 + i}", "role": "both"} for i in range(2)]
+    rt = RouterRuntime(StaticDiscovery(parse_endpoint_specs(specs)), RuntimeConfig())
+    source = rt.flow.active_sessions
+    assert source is not None and source() == 0
+    rt.loads.rest("s1", "w0", 2000)
+    rt.loads.rest("s2", "w1", 2000)
+    assert source() == 2
+
+
 def test_apply_rebuilds_only_on_a_change() -> None:
     roles = PoolRoles(PoolRolesParams(prefill_workers=1, split_at_sessions_per_worker=1))
     eps = swinging(2)
