@@ -244,6 +244,9 @@ def test_through_the_router_a_held_new_session_is_prefilled_on_a_decode_worker(
             "prefill_spill_max_tokens": 1,
             "prefill_spill_lull_s": 0.05,
             "prefill_spill_lull_max_tokens": 10**6,
+            # two sessions, both still open: the pool is at its peak, not draining; this lull
+            # is any quiet spell (the drain share is tested in test_flow_prefill_stage.py)
+            "prefill_spill_lull_below_peak": None,
         }
     rt = RouterRuntime(
         StaticDiscovery(eps),
