@@ -145,9 +145,7 @@ class RouterRuntime:
         )
         self.core.on_prefill_done = self.flow.poll
         # The spill in a lull asks whether the pool is draining (`FlowController`).
-        self.flow.active_sessions = lambda: self.loads.active_sessions(
-            self.core.open_dispatches + self.flow.waiting
-        )
+        self.flow.active_sessions = self.active_sessions
         self.sessions = make_session_store(c.redis_url, op_timeout_s=c.redis_op_timeout_s)
         self.facts = FactsBook(geometry)
         # A `kv_both` pool's roles by load (`beamserve.router.policy.pool_roles`; None: fixed).
@@ -205,8 +203,13 @@ class RouterRuntime:
         if roles is None:
             return eps
         now = self.loads.clock()
-        own = self.core.open_dispatches + self.flow.waiting
-        return roles.apply(eps, self.loads.active_sessions(own, now), now)
+        return roles.apply(eps, self.active_sessions(now), now)
+
+    def active_sessions(self, now: float | None = None) -> int:
+        """The pool's active sessions (`LoadBook.active_sessions`): this replica's requests
+        dispatched or queued at the flow controller, sessions resting, the peers' bookings —
+        what the pool roles and the spill in a lull read."""
+        return self.loads.active_sessions(self.core.open_dispatches + self.flow.waiting, now)
 
     def sync_report(self) -> dict[str, Any] | None:
         """Replica sync's health and the fresh peers' bookings per worker, for `/metrics`

@@ -893,7 +893,8 @@ class FlowController:
         return active < share * peak
 
     def _active_peak(self, now: float) -> tuple[int, int]:
-        """Sample the pool's active sessions: (now, their peak over the window)."""
+        """Sample the pool's active sessions: (their count now, their peak over
+        `prefill_spill_lull_peak_s`); (0, 0) without a source."""
         if self.active_sessions is None:
             return 0, 0
         active = self.active_sessions()

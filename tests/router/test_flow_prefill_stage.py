@@ -589,17 +589,24 @@ def test_a_new_arrival_ends_the_lull() -> None:
     asyncio.run(main())
 
 
+def draining(active: int, **config: Any) -> tuple[FlowController, Decoders, Decoders, list[int]]:
+    """A lulling controller whose pool has `active` sessions now (`[0]` of the list returned:
+    set it to change them), the spill's own rule without room and the lull's with plenty."""
+    pool = Pool(50000)
+    normal, lull = Decoders(d1=0), Decoders(d1=100000)
+    c = lulling(pool, normal, lull, **config)
+    count = [active]
+    c.active_sessions = lambda: count[0]
+    return c, normal, lull, count
+
+
 def test_a_quiet_spell_at_the_pools_peak_is_no_lull_until_the_pool_drains() -> None:
     """Many sessions opened at once and none since (a closed-loop run's start): quiet, but the
     pool serves as many sessions as ever, so the spill keeps its own rule; once the active
     sessions fall under `prefill_spill_lull_below_peak` of their peak, the lull's rule goes."""
 
     async def main() -> None:
-        pool = Pool(50000)
-        normal, lull = Decoders(d1=0), Decoders(d1=100000)
-        c = lulling(pool, normal, lull)
-        active = [40]
-        c.active_sessions = lambda: active[0]
+        c, normal, lull, active = draining(40)
         a = asyncio.ensure_future(c.admit("new", "a", 30000))
         await settle()
         await later(c, 3.0)  # quiet for 3 s, 40 sessions of a peak of 40
@@ -620,11 +627,7 @@ def test_the_peak_is_the_highest_count_within_its_window() -> None:
     `prefill_spill_lull_peak_s` is forgotten."""
 
     async def main() -> None:
-        pool = Pool(50000)
-        normal, lull = Decoders(d1=0), Decoders(d1=100000)
-        c = lulling(pool, normal, lull, prefill_spill_lull_peak_s=10.0)
-        active = [40]
-        c.active_sessions = lambda: active[0]
+        c, _, lull, active = draining(40, prefill_spill_lull_peak_s=10.0)
         a = asyncio.ensure_future(c.admit("new", "a", 30000))  # the peak, 40, sampled at t=0
         await settle()
         active[0] = 30
@@ -640,10 +643,7 @@ def test_the_peak_is_the_highest_count_within_its_window() -> None:
 
 def test_without_the_drain_share_any_quiet_spell_is_a_lull() -> None:
     async def main() -> None:
-        pool = Pool(50000)
-        normal, lull = Decoders(d1=0), Decoders(d1=100000)
-        c = lulling(pool, normal, lull, prefill_spill_lull_below_peak=None)
-        c.active_sessions = lambda: 40  # at its peak, and it does not matter
+        c, _, _, _ = draining(40, prefill_spill_lull_below_peak=None)  # at its peak: no matter
         a = asyncio.ensure_future(c.admit("new", "a", 30000))
         await settle()
         await later(c, 2.5)
