@@ -348,6 +348,18 @@ class PoolRolesSpec(_Model):
     """Once spilling, the stage spills on until the active sessions per worker fall under
     this (0: until the pool serves colocated again); null: half of spillAtSessionsPerWorker.
     Needs spillAtSessionsPerWorker and must not exceed it."""
+    drain_quiet_seconds: Annotated[float, Field(gt=0)] | None = 2.0
+    """Split, once no new session has come for this long, none is held and a prefill worker
+    is idle (the end of a burst), the pool drains: every worker decodes, and a continuing turn
+    moves by KV handoff from its worker to the one with the fewest requests in flight
+    (docs/policies.md, "The drain"). A new session ends it. null: never drains."""
+    drain_below_peak: Annotated[float, Field(gt=0, le=1)] | None = 0.9
+    """… and only while the pool's active sessions are under this share of their peak over
+    the last minute (null: any quiet spell)."""
+    drain_move_margin: Annotated[int, Field(ge=1)] = 2
+    """A turn moves only to a worker with at least this many fewer requests in flight."""
+    drain_max_prefill_tokens: Annotated[int, Field(ge=0)] = 8192
+    """… and with at most this many prompt tokens queued for prefill."""
 
     @model_validator(mode="after")
     def _ordered(self) -> PoolRolesSpec:

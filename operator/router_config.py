@@ -79,6 +79,10 @@ def _pool_roles(config: RouterConfig) -> dict[str, Any]:
             "settle_s": r.settle_seconds,
             "spill_at_sessions_per_worker": r.spill_at_sessions_per_worker,
             "spill_stop_below_sessions_per_worker": r.spill_stop_below_sessions_per_worker,
+            "drain_quiet_s": r.drain_quiet_seconds,
+            "drain_below_peak": r.drain_below_peak,
+            "drain_move_margin": r.drain_move_margin,
+            "drain_max_prefill_tokens": r.drain_max_prefill_tokens,
         }
     }
 

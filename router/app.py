@@ -236,7 +236,11 @@ class Router:
         roles = self._pool_roles
         if roles is None:
             return None
-        return {"split": roles.mode == "split", "switches": roles.switch.switches}
+        return {
+            "split": roles.mode == "split",
+            "draining": roles.mode == "drain",
+            "switches": roles.switch.switches,
+        }
 
     def _track(self, d: Dispatch) -> None:
         self._dispatches[id(d)] = d
@@ -487,7 +491,7 @@ class Router:
                 self.metrics.prefill_spills.inc()
                 if getattr(d.ticket, "spill_lull", False):
                     self.metrics.prefill_lull_spills.inc()
-            protect = self._pool_roles is None or self._pool_roles.mode == "split"
+            protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
             if self._pace_hold is not None and protect:
                 await self._hold_for_pace(d, self._pace_hold)
             if self._pieces is not None and protect:

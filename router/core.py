@@ -142,6 +142,12 @@ class RoutingCore:
         # Called when a split request's prefill worker is done with it (its first token came):
         # the flow controller's prefill stage has room again (`FlowController.prefill_stage`).
         self.on_prefill_done: Callable[[], None] | None = None
+        # Asked after the policy's pick, before conditional disaggregation: may move the
+        # request elsewhere, with its own prefill worker (a draining pool's move,
+        # `pool_roles.drain_move`; None: never).
+        self.rebalance: (
+            Callable[[RouteRequest, RouteDecision, Sequence[WorkerView]], RouteDecision] | None
+        ) = None
 
     def geometry_of(self, endpoint: Endpoint) -> KVGeometry:
         """The worker's KV geometry: its own report, else the router's default."""
@@ -239,6 +245,8 @@ class RoutingCore:
         decision = self.policy.route(request, [v for v in views if v.endpoint.can_decode])
         if local:
             return replace(decision, explain=f"{decision.explain} | disagg=no (spilled)")
+        if self.rebalance is not None:
+            decision = self.rebalance(request, decision, views)
         if self.disaggregation is not None:
             decision = self.disaggregation.apply(request, decision, views)
         return decision

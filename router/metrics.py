@@ -20,8 +20,8 @@ book there); counters `replica_sync_messages_total{direction}` (published | rece
 the outbox full), `replica_sync_errors_total`, `replica_sync_decode_errors_total`,
 `replica_sync_room_tokens_total{kind}` (flow-control room moved between replicas: granted |
 received | borrowed | lent; `router/flow/controller.py`, "Several replicas").
-With pool roles by load (`router/policy/pool_roles.py`): gauge `pool_split` (1 while split),
-counter `pool_mode_switches_total`.
+With pool roles by load (`router/policy/pool_roles.py`): gauges `pool_split` (1 while split)
+and `pool_draining` (1 while draining), counter `pool_mode_switches_total`.
 Histogram: `decision_seconds` (routing step: tokenize + hash + match + policy).
 """
 
@@ -102,9 +102,15 @@ class _Live(Collector):
                 "1 while the kv_both pool is split into prefill and decode workers.",
                 value=float(pool["split"]),
             )
+            yield GaugeMetricFamily(
+                "beamserve_router_pool_draining",
+                "1 while the kv_both pool drains: every worker decodes, and continuing turns "
+                "move by KV handoff to the least busy.",
+                value=float(pool.get("draining", False)),
+            )
             yield CounterMetricFamily(
                 "beamserve_router_pool_mode_switches",
-                "Times the kv_both pool switched between colocated and split.",
+                "Times the kv_both pool switched between colocated, split and draining.",
                 value=pool["switches"],
             )
 

@@ -26,7 +26,7 @@ import contextlib
 import gc
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from beamserve.router.index import KVEventHub, PrefixIndex
 from beamserve.router.load import LOAD_METRICS, LoadBook
 from beamserve.router.pd import Upstreams
 from beamserve.router.policy import ConditionalDisaggregation, NoCandidates, build_policy
-from beamserve.router.policy.pool_roles import PoolRoles
+from beamserve.router.policy.pool_roles import Drain, PoolRoles, drain_move
 from beamserve.router.prompt import PromptHasher
 from beamserve.router.sessions import (
     OP_TIMEOUT_S,
@@ -65,7 +65,7 @@ from beamserve.router.sessions import (
     session_tip,
 )
 from beamserve.router.sync import RedisReplicaSync, SyncParams, sync_channel
-from beamserve.router.types import Endpoint, RouteDecision, WorkerLoad
+from beamserve.router.types import Endpoint, RouteDecision, RouteRequest, WorkerLoad, WorkerView
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +151,10 @@ class RouterRuntime:
         # A `kv_both` pool's roles by load (`beamserve.router.policy.pool_roles`; None: fixed).
         roles = disagg.params.pool_roles
         self.pool_roles = None if roles is None else PoolRoles(roles)
+        if roles is not None and roles.drain_quiet_s is not None:
+            # a draining pool moves continuing turns to its least busy workers (`drain_move`)
+            self.flow.track_active_peak = roles.drain_below_peak is not None
+            self.core.rebalance = self._drain_move
         self._discovered: list[Endpoint] = []
         self.hub = KVEventHub(self.index)
         self.upstreams = Upstreams(
@@ -203,7 +207,34 @@ class RouterRuntime:
         if roles is None:
             return eps
         now = self.loads.clock()
-        return roles.apply(eps, self.active_sessions(now), now)
+        return roles.apply(eps, self.active_sessions(now), now, self._drain_state)
+
+    def _drain_state(self) -> Drain:
+        """May the split pool drain now (`pool_roles`, "The drain"): the flow controller's
+        word (no new session for `drain_quiet_s`, none held, the pool's sessions falling),
+        and one of the prefill workers idle — nothing of this replica's in flight there and no
+        prefill queued by any."""
+        p = self.pool_roles.params if self.pool_roles is not None else None
+        if p is None or p.drain_quiet_s is None:
+            return "hold"
+        state = self.flow.drain_state(p.drain_quiet_s, p.drain_below_peak)
+        if state != "ready" or self.pool_roles is None or self.pool_roles.mode != "split":
+            return state
+        now = self.loads.clock()
+        for e in self.pool_roles.prefill_endpoints():
+            ld = self.loads.load(e.id, now)
+            if ld.healthy and ld.in_flight == 0 and ld.effective_prefill_tokens == 0:
+                return "ready"
+        return "hold"
+
+    def _drain_move(
+        self, request: RouteRequest, decision: RouteDecision, views: Sequence[WorkerView]
+    ) -> RouteDecision:
+        """`core.rebalance`: a draining pool's move (`pool_roles.drain_move`)."""
+        roles = self.pool_roles
+        if roles is None or roles.mode != "drain":
+            return decision
+        return drain_move(request, decision, views, roles.params)
 
     def active_sessions(self, now: float | None = None) -> int:
         """The pool's active sessions (`LoadBook.active_sessions`): this replica's requests

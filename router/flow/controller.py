@@ -230,6 +230,7 @@ from beamserve.router.flow.saturation import (
     SaturationSignal,
     parse_strict,
 )
+from beamserve.router.policy.pool_roles import Drain
 from beamserve.router.types import BANDS, Band, WorkerLoad
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -575,6 +576,9 @@ class FlowController:
         # falling (module docstring, "The spill in a lull").
         self.active_sessions: Callable[[], int] | None = None
         self._active_peaks: deque[tuple[float, int]] = deque()
+        # Sample that peak at every admission for a reader other than the spill in a lull
+        # (a draining pool's `drain_state`).
+        self.track_active_peak = False
 
     # --- public --------------------------------------------------------------------------------
 
@@ -601,7 +605,7 @@ class FlowController:
         )
         self._submitted[band] += 1
         self._last_submit[band] = now
-        if self._spill is not None and self._spill.lull_s is not None:
+        if self.track_active_peak or (self._spill is not None and self._spill.lull_s is not None):
             self._active_peak(now)
         self._enqueue(item, now)  # raises Shed when refused
         self._pump()
@@ -636,6 +640,24 @@ class FlowController:
     def waiting(self) -> int:
         """Requests queued now, every band."""
         return sum(self._queued.values())
+
+    def drain_state(self, quiet_s: float, below_peak: float | None) -> Drain:
+        """What this controller says of a pool's drain (`pool_roles`, "The drain"): ``busy``
+        while a new session arrived less than `quiet_s` ago; ``ready`` once none has for that
+        long, none of the bands below ``continuing`` has anything queued or let through and
+        not routed yet, and (with `below_peak` and an `active_sessions` source) the pool's
+        active sessions are under that share of their peak over `prefill_spill_lull_peak_s`;
+        ``hold`` otherwise. Sampling the peak needs `track_active_peak`."""
+        now = self._clock()
+        if not self._quiet("new", now, quiet_s):
+            return "busy"
+        if self._queued["new"] or self._queued["sheddable"] or self._unrouted:
+            return "hold"
+        if below_peak is not None and self.active_sessions is not None:
+            active, peak = self._active_peak(now)
+            if not active < below_peak * peak:
+                return "hold"
+        return "ready"
 
     def stats(self) -> FlowStats:
         now = self._clock()

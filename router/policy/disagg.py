@@ -169,6 +169,8 @@ class ConditionalDisaggregation:
         decode = decision.decode
         if not decode.receives_kv:  # aggregated serving (a `both` pool): nothing to pair with
             return decision
+        if decision.prefill is not None:  # paired already (a draining pool's move)
+            return decision
         if not p.enabled:
             return replace(decision, explain=f"{decision.explain} | disagg=no (local prefill)")
         if p.keep_warm_local and any(v.warm and v.endpoint.id == decode.id for v in views):

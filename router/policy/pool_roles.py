@@ -55,13 +55,46 @@ disaggregation splits the turn, and the prefill worker it picks (lowest estimate
 prefix hit counted) is the session's old worker, which holds it: the turn prefills only its new
 part there and its whole context moves by KV transfer. Nothing is computed twice.
 
+**The drain** (`drain_quiet_s`, 2 s by default; null: never). A split pool's end of a burst: new
+sessions have stopped, the prefill stage has drained its backlog, and the prefill workers fall
+idle while the decode workers still serve every session's last turns. Their users decode more
+slowly for it: a decode step's time grows with its batch (on the sim's `h200-bf16-tp8` profile
+18.0 ms for 12 users of 60K tokens, 12.5 ms for 6), and the last sessions' chains of turns are
+what the burst's end waits for. So once, while split,
+
+- no new session has reached the router for `drain_quiet_s` seconds, none is held or let
+  through and not yet routed (the flow controller's `drain_state`),
+- the pool's active sessions are under `drain_below_peak` of their peak over the last minute
+  (null: any quiet spell; a closed-loop burst's start is quiet too, but at its peak), and
+- a prefill worker has nothing of this replica's in flight and no prefill queued,
+
+the pool *drains*: every swinging worker is role ``both`` and both sends and receives KV, and a
+continuing turn that the policy keeps on its session's worker moves instead to the worker with
+the fewest requests in flight, when that one has `drain_move_margin` (2) fewer and at most
+`drain_max_prefill_tokens` (8,192) of prefill queued (`drain_move`): its new part is prefilled
+where its context is, the whole context is handed over by KV transfer (on the sim ≈ 15 ms for
+144K tokens), and the session stays where it moved. Nothing is computed twice. The next new
+session ends the drain (the pool splits again, and a session resting on a prefill worker moves
+back to a decode worker on its next turn, by the same handoff); the active sessions falling
+under the colocate line colocate it, as from split. While draining, the pace hold and the
+pieces still apply, the spill does not (nothing is held). Over HTTP at 128 agents on 4 sim
+workers (docs/bench/agentic.md, "The drain") the runs ended 1.1 and 2.3 s sooner, for 1.008
+and 1.017 × the throughput of the same pool without it in the same runs, at the same p90 TTFT
+and 0.96–1.01 × its goodput; at 64 agents the two were level (0.993 ×, goodput 0.99 ×).
+A moved turn's decode worker reports its prompt as not cached (the KV came by transfer), so the
+router's and the benchmark's hit ratio fall a little; the prefill worker's counters show the
+hit.
+
 Workers that are not ``kv_both`` (fixed ``prefill`` / ``decode`` roles, SGLang workers, vLLM
 workers without a connector) keep what they are.
 
 Several router replicas: each decides the mode from its own requests and resting sessions plus
 the requests its peers book (replica sync), so near the line two replicas can disagree for a
 moment; a session placed meanwhile on a worker that is a prefill worker to the other replica
-moves once more, by the same handoff. The prefill workers are the same on every replica.
+moves once more, by the same handoff. The prefill workers are the same on every replica. A
+replica drains on its own word (its own arrivals; the prefill workers' queues as the peers'
+bookings show them): a new session at another replica ends nothing here, so a prefill worker
+may prefill it beside users this replica moved there, who move back on their next turns.
 
 | parameter | default | meaning |
 |---|---|---|
@@ -71,6 +104,10 @@ moves once more, by the same handoff. The prefill workers are the same on every 
 | `settle_s` | ``10.0`` | …for this long, the pool serves colocated again |
 | `spill_at_sessions_per_worker` | ``null`` | split, the prefill stage spills only from here |
 | `spill_stop_below_sessions_per_worker` | ``null`` | …and on until under this (null: half) |
+| `drain_quiet_s` | ``2.0`` | split, no new session for this long: the drain (null: never) |
+| `drain_below_peak` | ``0.9`` | …while the active sessions are under this share of their peak |
+| `drain_move_margin` | ``2`` | draining, a turn moves to a worker with this many fewer requests |
+| `drain_max_prefill_tokens` | ``8192`` | …and at most this much prefill queued |
 
 Config example (`beamserve router --disaggregation`)::
 
@@ -82,19 +119,23 @@ Config example (`beamserve router --disaggregation`)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import structlog
 from beamserve.router.policy.base import PluginParams
-from beamserve.router.types import Endpoint
+from beamserve.router.policy.kv_compat import pairs_with
+from beamserve.router.types import Endpoint, RouteDecision, RouteRequest, WorkerView
 from pydantic import Field, model_validator
 
 log = structlog.get_logger(__name__)
 
-Mode = Literal["colocated", "split"]
-MODES: tuple[Mode, ...] = ("colocated", "split")
+Mode = Literal["colocated", "split", "drain"]
+MODES: tuple[Mode, ...] = ("colocated", "split", "drain")
+# What the router says of the drain (`ModeSwitch.observe`): ``ready`` (a split pool may drain
+# now), ``busy`` (new sessions arrive: a draining pool splits again), ``hold`` (neither: stay).
+Drain = Literal["ready", "busy", "hold"]
 
 
 class PoolRolesParams(PluginParams):
@@ -107,6 +148,11 @@ class PoolRolesParams(PluginParams):
     spill_at_sessions_per_worker: float | None = Field(default=None, gt=0.0)
     # None: half of the spill line
     spill_stop_below_sessions_per_worker: float | None = Field(default=None, ge=0.0)
+    # None: a split pool never drains (module docstring, "The drain")
+    drain_quiet_s: float | None = Field(default=2.0, gt=0.0)
+    drain_below_peak: float | None = Field(default=0.9, gt=0.0, le=1.0)
+    drain_move_margin: int = Field(default=2, ge=1)
+    drain_max_prefill_tokens: int = Field(default=8192, ge=0)
 
     @property
     def spill_stop_below(self) -> float | None:
@@ -158,6 +204,12 @@ def overlay(endpoints: Sequence[Endpoint], mode: Mode, prefill_workers: int) -> 
     prefill workers are the first `prefill_workers` swinging workers by id; at least one
     swinging worker always decodes. Pure."""
     swing = sorted(e.id for e in endpoints if swings(e))
+    if mode == "drain" and len(swing) >= 2:
+        # every swinging worker decodes, and hands a session's KV on or takes it in
+        return [
+            replace(e, role="both", kv_send=True, kv_receive=True) if swings(e) else e
+            for e in endpoints
+        ]
     if mode == "split" and len(swing) >= 2:
         prefill = frozenset(swing[: min(prefill_workers, len(swing) - 1)])
     else:
@@ -185,8 +237,16 @@ class ModeSwitch:
     switches: int = 0
     _low_since: float | None = None
 
-    def observe(self, active: int, workers: int, now: float) -> Mode:
-        """The mode after seeing `active` sessions on `workers` swinging workers at `now`."""
+    def observe(
+        self,
+        active: int,
+        workers: int,
+        now: float,
+        drain: Callable[[], Drain] | None = None,
+    ) -> Mode:
+        """The mode after seeing `active` sessions on `workers` swinging workers at `now`;
+        `drain`, asked only while split or draining: whether the pool may drain now (module
+        docstring, "The drain"; None: never)."""
         p = self.params
         if workers < 2:
             self._low_since = None
@@ -195,6 +255,12 @@ class ModeSwitch:
             if active >= p.split_at_sessions_per_worker * workers:
                 return self._go("split", active)
             return self.mode
+        if drain is not None and p.drain_quiet_s is not None:
+            state = drain()
+            if self.mode == "split" and state == "ready":
+                self._go("drain", active)
+            elif self.mode == "drain" and state == "busy":
+                self._go("split", active)
         if active >= p.colocate_below * workers:
             self._low_since = None
             return self.mode
@@ -229,6 +295,14 @@ class PoolRoles:
     def mode(self) -> Mode:
         return self.switch.mode
 
+    def prefill_endpoints(self) -> list[Endpoint]:
+        """The swinging workers that prefill while split (by id, as `overlay` picks them)."""
+        src = self._source or []
+        swing = sorted((e for e in src if swings(e)), key=lambda e: e.id)
+        if len(swing) < 2:
+            return []
+        return swing[: min(self.params.prefill_workers, len(swing) - 1)]
+
     @property
     def spilling(self) -> bool:
         """May the prefill stage spill now: split, and (with `spill_at_sessions_per_worker`)
@@ -236,8 +310,15 @@ class PoolRoles:
         has seen fewer than half as many."""
         return self._spilling
 
-    def apply(self, endpoints: Sequence[Endpoint], active: int, now: float) -> list[Endpoint]:
-        """`endpoints` overlaid for the mode that `active` sessions at `now` give."""
+    def apply(
+        self,
+        endpoints: Sequence[Endpoint],
+        active: int,
+        now: float,
+        drain: Callable[[], Drain] | None = None,
+    ) -> list[Endpoint]:
+        """`endpoints` overlaid for the mode that `active` sessions at `now` give (`drain`:
+        `ModeSwitch.observe`'s)."""
         if endpoints is not self._source:
             self._source = endpoints
             self._swinging = sum(1 for e in endpoints if swings(e))
@@ -251,7 +332,7 @@ class PoolRoles:
                     "receive KV (vLLM kv_transfer_config kv_role kv_both: label kv_role=kv_both); "
                     "until then the pool serves colocated",
                 )
-        mode = self.switch.observe(active, self._swinging, now)
+        mode = self.switch.observe(active, self._swinging, now, drain)
         line = self.params.spill_at_sessions_per_worker
         if mode != "split":
             self._spilling = False
@@ -263,3 +344,49 @@ class PoolRoles:
         if built is None or built[0] != mode:
             built = self._built = (mode, overlay(endpoints, mode, self.params.prefill_workers))
         return built[1]
+
+
+def drain_move(
+    request: RouteRequest,
+    decision: RouteDecision,
+    views: Sequence[WorkerView],
+    params: PoolRolesParams,
+) -> RouteDecision:
+    """In a draining pool (module docstring, "The drain"): a continuing turn the policy keeps
+    on its session's worker goes instead to the worker with the fewest requests in flight,
+    when that one has `drain_move_margin` or more fewer and at most `drain_max_prefill_tokens`
+    of prefill queued: its new part is prefilled on the session's worker (the decision's
+    `prefill`), which hands the whole context over. `decision`
+    unchanged otherwise. Pure."""
+    if request.band != "continuing" or decision.prefill is not None:
+        return decision
+    here = decision.decode
+    home = next((v for v in views if v.endpoint.id == here.id), None)
+    if home is None or not home.warm or not here.sends_kv:
+        return decision
+    cands = [
+        v
+        for v in views
+        if v.endpoint.id != here.id
+        and v.endpoint.can_decode
+        and v.endpoint.receives_kv
+        and v.load.healthy
+        and v.load.effective_prefill_tokens <= params.drain_max_prefill_tokens
+        and pairs_with(here, v.endpoint)
+    ]
+    if not cands:
+        return decision
+    best = min(
+        cands, key=lambda v: (v.load.in_flight, v.load.effective_prefill_tokens, v.endpoint.id)
+    )
+    if best.load.in_flight + params.drain_move_margin > home.load.in_flight:
+        return decision
+    return replace(
+        decision,
+        decode=best.endpoint,
+        prefill=here,
+        expected_hit=home.hit,
+        reason="drain-move",
+        explain=f"{decision.explain} | drain: {here.id} has {home.load.in_flight} in flight, "
+        f"{best.endpoint.id} {best.load.in_flight}: moved by KV handoff",
+    )

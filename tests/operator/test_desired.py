@@ -372,6 +372,10 @@ def test_pool_roles_render_a_kv_both_pool_the_router_can_split(engine: str) -> N
         "settle_s": 5.0,
         "spill_at_sessions_per_worker": None,
         "spill_stop_below_sessions_per_worker": None,
+        "drain_quiet_s": 2.0,
+        "drain_below_peak": 0.9,
+        "drain_move_margin": 2,
+        "drain_max_prefill_tokens": 8192,
     }
     # the router takes that config as it is
     from beamserve.router.policy import ConditionalDisaggregation

@@ -155,6 +155,17 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     roles = ConditionalDisaggregation.from_params(disagg).params.pool_roles
     assert roles is not None and roles.spill_at_sessions_per_worker == 24
     assert roles.spill_stop_below == 0
+    drained = {
+        **CONFIG,
+        "disaggregation": {
+            "poolRoles": {"drainQuietSeconds": 3, "drainBelowPeak": None, "drainMoveMargin": 1}
+        },
+    }
+    disagg = router_flags(RouterConfig.model_validate(drained))["disaggregation"]
+    roles = ConditionalDisaggregation.from_params(disagg).params.pool_roles
+    assert roles is not None
+    assert (roles.drain_quiet_s, roles.drain_below_peak, roles.drain_move_margin) == (3, None, 1)
+    assert roles.drain_max_prefill_tokens == 8192
     build_policy(flags["policy"])
 
 
