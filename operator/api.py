@@ -444,6 +444,10 @@ class FlowControlSpec(_Model):
     still meet that TTFT bound) go longest first, and the spill takes the shortest of them: the
     backlog ends sooner, with no prefill worker left computing one long last prompt while the
     other idles; null: oldest first always (docs/policies.md, "Longest first in a lull")."""
+    prefill_lull_rescue_seconds: Annotated[float, Field(gt=0)] | None = 45.0
+    """In such a lull, only the new sessions that waited this long (at most ¾ of the queue's
+    TTL) still go first, oldest first, so that none expires; null: those that waited
+    lifoMaxWaitSeconds, as outside a lull."""
     prefill_spill_after_seconds: Annotated[float, Field(ge=0)] | None = None
     """At that stage, a new session that waited this long may instead be prefilled on a decode
     worker that has room for it (its queued prefill within prefillSpillMaxTokens, its users'

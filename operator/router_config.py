@@ -115,6 +115,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_lull_longest_first_s": (
                 config.flow_control.prefill_lull_longest_first_seconds
             ),
+            "prefill_lull_rescue_s": config.flow_control.prefill_lull_rescue_seconds,
             "prefill_spill_after_s": config.flow_control.prefill_spill_after_seconds,
             "prefill_spill_max_tokens": config.flow_control.prefill_spill_max_tokens,
             "prefill_spill_margin_s": config.flow_control.prefill_spill_margin_seconds,

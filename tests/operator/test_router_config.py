@@ -98,6 +98,11 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
         spec = {**CONFIG, "flowControl": {"prefillLullLongestFirstSeconds": lull}}
         flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
         assert flow.prefill_lull_longest_first_s == lull
+    assert FlowConfig.from_mapping(flags["flow"]).prefill_lull_rescue_s == 45.0  # the default
+    for rescue in (50.0, None):
+        spec = {**CONFIG, "flowControl": {"prefillLullRescueSeconds": rescue}}
+        flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
+        assert flow.prefill_lull_rescue_s == rescue
     default = FlowConfig()
     flow = FlowConfig.from_mapping(flags["flow"])
     assert (flow.prefill_spill_lull_below_peak, flow.prefill_spill_lull_peak_s) == (

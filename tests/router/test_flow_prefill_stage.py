@@ -757,20 +757,35 @@ def test_an_arrival_ends_the_lull_and_goes_first_while_it_can_be_in_time() -> No
     assert asyncio.run(main()) == [40000, 45000, 20000, 30000]
 
 
-def test_in_a_lull_the_overdue_still_go_first_oldest_first() -> None:
+@pytest.mark.parametrize(
+    ("waited", "rescue", "ttl", "order"),
+    [
+        (32.0, 45.0, 60.0, [40000, 10000]),  # overdue, but in a lull nothing starves
+        (46.0, 45.0, 60.0, [10000, 40000]),  # near its TTL: it goes first
+        (32.0, 45.0, 40.0, [10000, 40000]),  # the lull's bound is at most ¾ of the TTL (30 s)
+        (32.0, None, 60.0, [10000, 40000]),  # null: the overdue bound (30 s) as outside a lull
+    ],
+)
+def test_in_a_lull_only_items_near_their_ttl_go_first(
+    waited: float, rescue: float | None, ttl: float, order: list[int]
+) -> None:
+    """In a lull the late ones go longest first; before them only items that waited
+    `prefill_lull_rescue_s` (at most ¾ of the band's TTL), oldest first, so none expires."""
+
     async def main() -> list[int]:
         pool = Pool(50000)
-        c = make(pool, prefill_lull_longest_first_s=2.0)  # lifo_max_wait_s: 30 s
+        c = make(pool, prefill_lull_longest_first_s=2.0, prefill_lull_rescue_s=rescue,
+                 ttl_s=ttl)  # fmt: skip
         clock: FakeClock = c._clock  # type: ignore[assignment]
         futs = {10000: asyncio.ensure_future(c.admit("new", "old", 10000))}
         await settle()
-        clock.t += 29.0
+        clock.t += waited - 3.0
         futs[40000] = asyncio.ensure_future(c.admit("new", "long", 40000))
         await settle()
-        clock.t += 3.0  # the first waited 32 s (overdue), the second 3 s; a lull
+        clock.t += 3.0  # the first waited `waited`, the second 3 s; a lull
         return await _drain_one_at_a_time(c, pool, futs)
 
-    assert asyncio.run(main()) == [10000, 40000]
+    assert asyncio.run(main()) == order
 
 
 @pytest.mark.parametrize(("lull", "first"), [(None, 30000), (2.0, 20000)])
