@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -128,12 +129,39 @@ def load_spec(source: str | os.PathLike[str] | BeamDeployment) -> BeamDeployment
     return parse_deployment(doc)
 
 
-def free_loopback_ports() -> Iterator[int]:
-    """Ports the kernel hands out on 127.0.0.1 now (a port may be taken again before use)."""
-    while True:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (the source ports of outgoing
+    connections; 32768 when it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_loopback_ports(rng: random.Random | None = None) -> Iterator[int]:
+    """Ports free on 127.0.0.1 now, below the kernel's ephemeral range, in random order.
+
+    A port the kernel picks for `bind(0)` is an ephemeral one, and between choosing it and the
+    process binding it any outgoing connection (the stack's own HTTP and ZMQ clients start then)
+    may take it as its source port: a worker then fails with EADDRINUSE (seen once in `make
+    test-slow`). Below the ephemeral range only an explicit bind takes a port, and each one
+    handed out here was free a moment ago. Raises `StackError` when none is left."""
+    rng = rng or random.Random()
+    high = max(ephemeral_low(), LOWEST_PORT + 1)
+    ports = list(range(LOWEST_PORT, high))
+    rng.shuffle(ports)
+    for port in ports:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            yield int(s.getsockname()[1])
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+    raise StackError(f"no free port on 127.0.0.1 in {LOWEST_PORT}–{high - 1}")
 
 
 def beamserve_exe() -> str:

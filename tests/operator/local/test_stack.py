@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +22,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from beamserve.operator.local.stack import Backoff, LocalStack, read_state
+from beamserve.operator.local import stack as stack_mod
+from beamserve.operator.local.stack import (
+    Backoff,
+    LocalStack,
+    StackError,
+    ephemeral_low,
+    free_loopback_ports,
+    read_state,
+)
 
 
 def _spec(model: Path, **over: Any) -> dict[str, Any]:
@@ -304,3 +314,32 @@ def test_a_new_revision_comes_up_beside_the_old_then_the_old_stops(
 
 async def _only(url: str, names: set[str]) -> bool:
     return await _router_workers(url) == names
+
+
+def test_ports_are_free_and_below_the_ephemeral_range() -> None:
+    """The stack's ports are never ones the kernel hands out as outgoing connections' source
+    ports (a worker bound late would find one taken: EADDRINUSE), each is free when handed out,
+    and none twice."""
+    low = ephemeral_low()
+    ports = free_loopback_ports(random.Random(7))
+    got = [next(ports) for _ in range(50)]
+    assert len(set(got)) == 50
+    assert all(stack_mod.LOWEST_PORT <= p < low for p in got)
+    for p in got[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free
+
+
+def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port in use is skipped, and when none is left the stack is told so."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(stack_mod, "LOWEST_PORT", taken)
+        monkeypatch.setattr(stack_mod, "ephemeral_low", lambda: taken + 3)
+        got: list[int] = []
+        with pytest.raises(StackError, match="no free port"):
+            for p in free_loopback_ports(random.Random(3)):
+                got.append(p)
+        assert taken not in got and set(got) <= {taken + 1, taken + 2}
