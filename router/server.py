@@ -214,14 +214,15 @@ class RouterRuntime:
         word (no new session for `drain_quiet_s`, none held, the pool's sessions falling),
         and one of the prefill workers idle — nothing of this replica's in flight there and no
         prefill queued by any."""
-        p = self.pool_roles.params if self.pool_roles is not None else None
-        if p is None or p.drain_quiet_s is None:
+        roles = self.pool_roles
+        if roles is None or roles.params.drain_quiet_s is None:
             return "hold"
+        p = roles.params
         state = self.flow.drain_state(p.drain_quiet_s, p.drain_below_peak)
-        if state != "ready" or self.pool_roles is None or self.pool_roles.mode != "split":
+        if state != "ready" or roles.mode != "split":
             return state
         now = self.loads.clock()
-        for e in self.pool_roles.prefill_endpoints():
+        for e in roles.prefill_endpoints():
             ld = self.loads.load(e.id, now)
             if ld.healthy and ld.in_flight == 0 and ld.effective_prefill_tokens == 0:
                 return "ready"

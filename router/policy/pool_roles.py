@@ -72,9 +72,9 @@ the pool *drains*: every swinging worker is role ``both`` and both sends and rec
 continuing turn that the policy keeps on its session's worker moves instead to the worker with
 the fewest requests in flight, when that one has `drain_move_margin` (2) fewer and at most
 `drain_max_prefill_tokens` (8,192) of prefill queued (`drain_move`): its new part is prefilled
-where its context is, the whole context is handed over by KV transfer (on the sim ≈ 15 ms for
-144K tokens), and the session stays where it moved. Nothing is computed twice. The next new
-session ends the drain (the pool splits again, and a session resting on a prefill worker moves
+where its context is, the whole context is handed over by KV transfer (≈ 15 ms for 144K tokens
+by the sim's cost model), and the session stays where it moved. Nothing is computed twice. The
+next new session ends the drain (the pool splits again, and a session resting on a prefill worker moves
 back to a decode worker on its next turn, by the same handoff); the active sessions falling
 under the colocate line colocate it, as from split. While draining, the pace hold and the
 pieces still apply, the spill does not (nothing is held). Over HTTP at 128 agents on 4 sim
@@ -199,19 +199,26 @@ def swings(ep: Endpoint) -> bool:
     return ep.role == "both" and ep.sends_kv and ep.receives_kv
 
 
+def prefill_workers_of(endpoints: Sequence[Endpoint], prefill_workers: int) -> list[Endpoint]:
+    """The swinging workers that prefill while split: the first `prefill_workers` by id, at
+    least one left to decode (none with fewer than two). Pure."""
+    swing = sorted((e for e in endpoints if swings(e)), key=lambda e: e.id)
+    return swing[: min(prefill_workers, len(swing) - 1)] if len(swing) >= 2 else []
+
+
 def overlay(endpoints: Sequence[Endpoint], mode: Mode, prefill_workers: int) -> list[Endpoint]:
     """`endpoints` as the rest of the router sees them in `mode` (module docstring). The
     prefill workers are the first `prefill_workers` swinging workers by id; at least one
     swinging worker always decodes. Pure."""
-    swing = sorted(e.id for e in endpoints if swings(e))
-    if mode == "drain" and len(swing) >= 2:
+    swinging = sum(1 for e in endpoints if swings(e))
+    if mode == "drain" and swinging >= 2:
         # every swinging worker decodes, and hands a session's KV on or takes it in
         return [
             replace(e, role="both", kv_send=True, kv_receive=True) if swings(e) else e
             for e in endpoints
         ]
-    if mode == "split" and len(swing) >= 2:
-        prefill = frozenset(swing[: min(prefill_workers, len(swing) - 1)])
+    if mode == "split" and swinging >= 2:
+        prefill = frozenset(e.id for e in prefill_workers_of(endpoints, prefill_workers))
     else:
         prefill = None
     out = []
@@ -296,12 +303,8 @@ class PoolRoles:
         return self.switch.mode
 
     def prefill_endpoints(self) -> list[Endpoint]:
-        """The swinging workers that prefill while split (by id, as `overlay` picks them)."""
-        src = self._source or []
-        swing = sorted((e for e in src if swings(e)), key=lambda e: e.id)
-        if len(swing) < 2:
-            return []
-        return swing[: min(self.params.prefill_workers, len(swing) - 1)]
+        """The swinging workers that prefill while split (`prefill_workers_of`)."""
+        return prefill_workers_of(self._source or [], self.params.prefill_workers)
 
     @property
     def spilling(self) -> bool:
@@ -356,20 +359,18 @@ def drain_move(
     on its session's worker goes instead to the worker with the fewest requests in flight,
     when that one has `drain_move_margin` or more fewer and at most `drain_max_prefill_tokens`
     of prefill queued: its new part is prefilled on the session's worker (the decision's
-    `prefill`), which hands the whole context over. `decision`
-    unchanged otherwise. Pure."""
+    `prefill`), which hands the whole context over (`pairs_with`: it sends, they receive).
+    `decision` unchanged otherwise. Pure."""
     if request.band != "continuing" or decision.prefill is not None:
         return decision
     here = decision.decode
     home = next((v for v in views if v.endpoint.id == here.id), None)
-    if home is None or not home.warm or not here.sends_kv:
+    if home is None or not home.warm:
         return decision
     cands = [
         v
         for v in views
-        if v.endpoint.id != here.id
-        and v.endpoint.can_decode
-        and v.endpoint.receives_kv
+        if v.endpoint.can_decode
         and v.load.healthy
         and v.load.effective_prefill_tokens <= params.drain_max_prefill_tokens
         and pairs_with(here, v.endpoint)

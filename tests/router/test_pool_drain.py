@@ -302,7 +302,7 @@ def test_the_runtime_drains_once_a_prefill_worker_is_idle() -> None:
     assert roles is not None and rt.core.rebalance is not None
     count[0] = 12
     rt.endpoints()
-    assert roles.mode == "split"  # the flow controller has never been quiet? it has: no arrival
+    assert roles.mode == "split"  # splits at once; the drain is asked from the next look on
     ids = sorted(e.id for e in rt._discovered)
     p0, p1 = ids[0], ids[1]
     # both prefill workers busy: no drain
