@@ -74,16 +74,15 @@ the fewest requests in flight, when that one has `drain_move_margin` (2) fewer a
 `drain_max_prefill_tokens` (8,192) of prefill queued (`drain_move`): its new part is prefilled
 where its context is, the whole context is handed over by KV transfer (≈ 15 ms for 144K tokens
 by the sim's cost model), and the session stays where it moved. Nothing is computed twice. The
-next new session ends the drain (the pool splits again, and a session resting on a prefill worker moves
-back to a decode worker on its next turn, by the same handoff); the active sessions falling
-under the colocate line colocate it, as from split. While draining, the pace hold and the
-pieces still apply, the spill does not (nothing is held). Over HTTP at 128 agents on 4 sim
-workers (docs/bench/agentic.md, "The drain") the runs ended 1.1 and 2.3 s sooner, for 1.008
-and 1.017 × the throughput of the same pool without it in the same runs, at the same p90 TTFT
-and 0.96–1.01 × its goodput; at 64 agents the two were level (0.993 ×, goodput 0.99 ×).
-A moved turn's decode worker reports its prompt as not cached (the KV came by transfer), so the
-router's and the benchmark's hit ratio fall a little; the prefill worker's counters show the
-hit.
+next new session ends the drain (the pool splits again, and a session resting on a prefill
+worker moves back to a decode worker on its next turn, by the same handoff); the active sessions
+falling under the colocate line colocate it, as from split. While draining, the pace hold and
+the pieces still apply, the spill does not (nothing is held). Over HTTP at 128 agents on 4 sim
+workers (docs/bench/agentic.md, "The drain") the runs ended 1.1 and 2.3 s sooner, for 1.008 and
+1.017 × the throughput of the same pool without it in the same runs, at the same p90 TTFT and
+0.96–1.01 × its goodput; at 64 agents the two were level (0.993 ×, goodput 0.99 ×). A moved
+turn's decode worker reports its prompt as not cached (the KV came by transfer), so the router's
+and the benchmark's hit ratio fall a little; the prefill worker's counters show the hit.
 
 Workers that are not ``kv_both`` (fixed ``prefill`` / ``decode`` roles, SGLang workers, vLLM
 workers without a connector) keep what they are.
