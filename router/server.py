@@ -215,10 +215,10 @@ class RouterRuntime:
         and one of the prefill workers idle — nothing of this replica's in flight there and no
         prefill queued by any."""
         roles = self.pool_roles
-        if roles is None or roles.params.drain_quiet_s is None:
+        quiet_s = roles.params.drain_quiet_s if roles is not None else None
+        if roles is None or quiet_s is None:
             return "hold"
-        p = roles.params
-        state = self.flow.drain_state(p.drain_quiet_s, p.drain_below_peak)
+        state = self.flow.drain_state(quiet_s, roles.params.drain_below_peak)
         if state != "ready" or roles.mode != "split":
             return state
         now = self.loads.clock()
