@@ -26,13 +26,22 @@ Families (`--strategies`, default all), by where a new session's first turn goes
 - `least-queued`: the worker with the fewest queued prefill tokens (a cache-aware gateway's
   choice when no worker holds the prefix);
 - `round-robin`: the next worker in turn; `least-sessions`: the fewest active sessions;
+  `least-inflight`: the fewest requests in flight;
+- `harm-A[-rR]`: the least of the queued prefill's time plus A × its own prefill time for
+  every request in flight there (and R × for every session of the worker between turns): the
+  users its prefill would slow;
+- `split-idle-Xk-mM`: homed on the worker with the fewest active sessions, but a first turn
+  of X or more tokens is prefilled on the worker with the least in flight (requests, and
+  queued prefill in 8K steps) when that is M less busy, its KV then handed over (a colocated
+  pool's P/D split for one turn);
 - `pace`, `pace-hold-T`: the worker where its prefill (and what is queued there) pushes the
   fewest decoding users under 20 tok/s; `-hold-T`: wait up to T s while every worker would;
   `pace-balanced-hold-1`: the same among workers within 2 active sessions of the fewest;
 - `gate-X`, `gate-lifo-X`: least-queued, held while every worker has over X queued prefill
   tokens (newest first with `lifo`);
-- `prime-K`, `pace-hold-1-prime-K`: the prompt prefilled first as prefixes of K, 2K, …
-  tokens (`max_tokens` 1 each, one after the other), then the request itself;
+- `prime-K`, `pace-hold-1-prime-K`, `least-sessions-prime-K`: the prompt prefilled first as
+  prefixes of K, 2K, … tokens (`max_tokens` 1 each, one after the other), then the request
+  itself;
 - `pd-1p3d`, `pd-2p2d`: prefilled on 1 (2) dedicated workers, decoded on the others after
   the KV transfer; `pd-2p2d-sjf-Xk`: the same, first turns held in the router while every
   prefill worker has X or more tokens queued, and released shortest first (what the router's
@@ -217,6 +226,79 @@ class Pace(Strategy):
         if self.hold_s and key(best)[0] > 0 and now - rec.sent < self.hold_s:
             return None
         return best
+
+
+class Harm(Strategy):
+    """First turns where their prefill costs least: the prefill queued there, plus `alpha` ×
+    its own prefill time for every request in flight there and `resting` for every session
+    of the worker between turns (the users it would slow, or who will come back to it)."""
+
+    def __init__(self, alpha: float, resting: float = 0.0) -> None:
+        self.alpha, self.resting = alpha, resting
+        self.name = f"harm-{alpha:g}" + (f"-r{resting:g}" if resting else "")
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        act = h.active_sessions()
+
+        def key(w: str) -> float:
+            q = h.s_per_prefill_token * h.queued(w)
+            own = h.s_per_prefill_token * rec.prompt
+            n = len(h.inflight[w])
+            return q + self.alpha * own * (n + self.resting * max(0, act[w] - n))
+
+        return min(h.engines, key=key)
+
+
+class SplitIdle(Strategy):
+    """First turns: prefilled where the fewest requests are in flight, decoded (KV handoff)
+    on the worker with the fewest active sessions."""
+
+    def __init__(self, min_tokens: int = 8192, margin: float = 1) -> None:
+        self.min_tokens, self.margin = min_tokens, margin
+        self.name = f"split-idle-{min_tokens // 1024}k-m{margin}"
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        act = h.active_sessions()
+        return min(h.engines, key=lambda w: (act[w], h.queued(w)))
+
+    def send(self, h: Loop, worker: str, rec: Rec) -> None:
+        if rec.turn != 0 or rec.prompt < self.min_tokens:
+            h.submit(worker, rec, rec.req)
+            return
+
+        def busy(w: str) -> float:
+            return len(h.inflight[w]) + h.queued(w) / 8192.0
+
+        p = min(h.engines, key=lambda w: (busy(w), h.queued(w)))
+        if busy(worker) - busy(p) < self.margin:
+            h.submit(worker, rec, rec.req)
+            return
+        leg = SimRequest(
+            h.new_id("prefill"),
+            prompt_tokens=rec.prompt,
+            max_output_tokens=1,
+            output_tokens=1,
+            block_hashes=rec.req.block_hashes,
+        )
+        moved = replace(
+            rec.req,
+            remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
+        )
+
+        def done(u: RequestUpdate) -> None:
+            if u.finished:
+                h.release_slot(worker, rec)
+                h.submit(worker, rec, moved)
+
+        h.hold_slot(worker, rec)
+        h.engines[p].submit(leg, done, stream=False)
+
+
+class LeastInflight(Strategy):
+    name = "least-inflight"
+
+    def place_new(self, h: Loop, rec: Rec) -> str | None:
+        return min(h.engines, key=lambda w: (len(h.inflight[w]), h.queued(w)))
 
 
 class Gate(LeastQueued):
@@ -545,6 +627,19 @@ def strategies(workers: int) -> dict[str, Callable[[], Any]]:
         "prime-2k": lambda: Prime(LeastQueued(), 2048),
         "prime-4k": lambda: Prime(LeastQueued(), 4096),
         "pace-hold-1-prime-4k": lambda: Prime(Pace(1.0), 4096),
+        "prime-3k": lambda: Prime(LeastQueued(), 3072),
+        "prime-8k": lambda: Prime(LeastQueued(), 8192),
+        "least-sessions-prime-4k": lambda: Prime(LeastSessions(), 4096),
+        "least-inflight": LeastInflight,
+        "harm-1": lambda: Harm(1.0),
+        "harm-0.3": lambda: Harm(0.3),
+        "harm-1-r0.5": lambda: Harm(1.0, 0.5),
+        "harm-0.5-r0.5": lambda: Harm(0.5, 0.5),
+        "harm-2-r0.5": lambda: Harm(2.0, 0.5),
+        "harm-1-r1": lambda: Harm(1.0, 1.0),
+        "split-idle-8k-m1": lambda: SplitIdle(8192, 1),
+        "split-idle-8k-m2": lambda: SplitIdle(8192, 2),
+        "split-idle-32k-m1": lambda: SplitIdle(32768, 1),
     }
     if workers >= 4:
         out["pd-1p3d"] = lambda: Disaggregated("pd-1p3d", ws[:1], ws[1:])

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from . import agentic_goals
 from .agentic_procs import (
     ROUTERS,
     BusySampler,
@@ -75,6 +76,9 @@ class AgenticConfig:
     slo_tok_s: float = SLO_TOK_S
     logs: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # echoed into every JSON object
+    # rounds per level: round k runs the routers in their order rotated by k, so that none is
+    # always first or last (`agentic_goals` averages them)
+    repeat: int = 1
 
 
 def gpus_per_worker(profile: str) -> int:
@@ -252,9 +256,13 @@ def run_agentic(
             specs.append(wanted)
     runs: list[tuple[str, RouterSpec | None, str | None]] = [(s.name, s, None) for s in specs]
     runs += [(name, None, url) for name, url in cfg.targets]
+    # the first --target is the router under test, the others (--peer) its peers
+    ours = {name for name, spec, _ in runs if spec is not None and spec.kind == "beamserve"}
+    ours |= {cfg.targets[0][0]} if cfg.targets else set()
+    rounds = max(1, cfg.repeat)
     overall = None
     if progress is not None:
-        overall = progress.add_task("all runs", total=len(runs) * len(cfg.concurrency))
+        overall = progress.add_task("all runs", total=len(runs) * len(cfg.concurrency) * rounds)
     results: list[LevelResult] = []
     common = {
         "mode": "target" if cfg.targets else "self-contained",
@@ -272,20 +280,24 @@ def run_agentic(
         **cfg.extra,
     }
     with sigterm_as_exception():
-        for level in cfg.concurrency:
-            for name, spec, target_url in runs:
+        for level, rnd in ((c, k) for c in cfg.concurrency for k in range(rounds)):
+            shift = rnd % len(runs) if runs else 0
+            for name, spec, target_url in runs[shift:] + runs[:shift]:
+                tag = f"{name} @ C={level}" + (f" #{rnd + 1}" if rounds > 1 else "")
                 task = None
                 if progress is not None:
-                    task = progress.add_task(f"{name} @ C={level}", total=n_requests)
+                    task = progress.add_task(tag, total=n_requests)
                 data: dict[str, Any] = {"router": name, "concurrency": level, **common}
+                data |= {"side": "ours" if name in ours else "peer", "round": rnd, "rounds": rounds}
                 data["versions"] = _versions(spec)
                 if spec is not None:
                     data |= {"kind": spec.kind, "policy": spec.policy}
+                run_name = f"-r{rnd + 1}" if rounds > 1 else ""
                 try:
-                    data |= _one_run(cfg, level, spec, target_url, progress, task)
+                    data |= _one_run(cfg, level, spec, target_url, progress, task, run_name)
                 except ProcError as exc:
                     data["skipped"] = f"did not start: {str(exc).splitlines()[0]}"
-                    say(f"[red]skipping {name} @ C={level}: {exc}")
+                    say(f"[red]skipping {tag}: {exc}")
                 if progress is not None and task is not None:
                     progress.remove_task(task)
                 if progress is not None and overall is not None:
@@ -312,7 +324,9 @@ def _one_run(
     target_url: str | None,
     progress: Any,
     task: Any,
+    suffix: str = "",
 ) -> dict[str, Any]:
+    """One (router, level) run; `suffix` ends its logs' folder name (a round's ``-rK``)."""
     gpus = cfg.workers * gpus_per_worker(cfg.profile)
 
     def tick(_: RequestRecord) -> None:
@@ -335,11 +349,11 @@ def _one_run(
         )
         out = _figures(records, dur, gpus, cfg)
         run = target_url.split("//")[-1].replace(":", "_").strip("/")
-        _write_records(cfg, f"{run}-c{level}", records)
+        _write_records(cfg, f"{run}-c{level}{suffix}", records)
         out |= {"url": target_url, "router_cpu_s": None, "router_cpu_s_per_request": None}
         return out
     assert spec is not None
-    logs = cfg.logs / f"{spec.name}-c{level}" if cfg.logs is not None else None
+    logs = cfg.logs / f"{spec.name}-c{level}{suffix}" if cfg.logs is not None else None
     with Procs(keep_logs=logs) as procs:
         workers = start_workers(
             procs,
@@ -374,7 +388,7 @@ def _one_run(
         counters = router_counters(router.url) if beam else None
         lag = sum(worker_step_lag_s(w.url) for w in workers)
     out = _figures(records, dur, gpus, cfg)
-    _write_records(cfg, f"{spec.name}-c{level}", records)
+    _write_records(cfg, f"{spec.name}-c{level}{suffix}", records)
     cpu = cpu1 - cpu0
     out |= {
         "url": router.url,
@@ -441,7 +455,8 @@ def _f(x: Any, fmt: str) -> str:
 
 
 def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
-    """One rich table per concurrency level."""
+    """One rich table per concurrency level (a row per run), then the goals table
+    (`agentic_goals`) when the results hold our routers and peers side by side."""
     from rich.table import Table
 
     out = []
@@ -457,11 +472,21 @@ def tables(results: Sequence[LevelResult], title: str) -> list[Any]:
                 continue
             d = r.data
             if r.skipped:
-                t.add_row(r.router, "skipped", r.skipped[:60], *[""] * 11)
+                t.add_row(_label(r), "skipped", r.skipped[:60], *[""] * 11)
                 continue
-            t.add_row(*_cells(r.router, d))
+            t.add_row(*_cells(_label(r), d))
         out.append(t)
+    rows = agentic_goals.goals(r.data for r in results)
+    if rows:
+        out.append(agentic_goals.table(rows, f"{title} — against the best peer"))
     return out
+
+
+def _label(r: LevelResult) -> str:
+    """The router's name, and its round when the level ran several (``name #2``)."""
+    if int(r.data.get("rounds", 1) or 1) > 1:
+        return f"{r.router} #{int(r.data.get('round', 0)) + 1}"
+    return r.router
 
 
 def write_json(results: Sequence[LevelResult], path: Path) -> None:
@@ -471,7 +496,7 @@ def write_json(results: Sequence[LevelResult], path: Path) -> None:
 
 def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
     """Output tok/s per GPU (y) against per-user tok/s p50 (x), one curve per router, points
-    labelled by concurrency."""
+    labelled by concurrency (a level's rounds averaged)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -479,11 +504,15 @@ def plot(results: Sequence[LevelResult], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name in dict.fromkeys(r.router for r in results):
-        pts = sorted(
-            (r.concurrency, r.data["user_tok_s_p50"], r.data["output_tok_s_per_gpu"])
-            for r in results
-            if r.router == name and not r.skipped and r.data.get("user_tok_s_p50") is not None
-        )
+        by_level: dict[int, list[tuple[float, float]]] = {}
+        for r in results:
+            if r.router == name and not r.skipped and r.data.get("user_tok_s_p50") is not None:
+                xy = (r.data["user_tok_s_p50"], r.data["output_tok_s_per_gpu"])
+                by_level.setdefault(r.concurrency, []).append(xy)
+        pts = [
+            (c, sum(x for x, _ in v) / len(v), sum(y for _, y in v) / len(v))
+            for c, v in sorted(by_level.items())
+        ]
         if not pts:
             continue
         ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=name)
@@ -549,10 +578,13 @@ def markdown(results: Sequence[LevelResult]) -> str:
                 continue
             d = r.data
             if r.skipped:
-                lines.append(f"| {r.router} | skipped: {r.skipped} |" + " |" * (len(head) - 2))
+                lines.append(f"| {_label(r)} | skipped: {r.skipped} |" + " |" * (len(head) - 2))
                 continue
-            lines.append("| " + " | ".join(_cells(r.router, d)) + " |")
+            lines.append("| " + " | ".join(_cells(_label(r), d)) + " |")
         lines.append("")
+    rows = agentic_goals.goals(r.data for r in results)
+    if rows:
+        lines += ["**Against the best peer**", "", agentic_goals.markdown(rows)]
     return "\n".join(lines)
 
 

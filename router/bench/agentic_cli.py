@@ -179,6 +179,14 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
         "carries, prefill chunks and decodes together (default theirs: the profile's, 8,192 "
         "for h200-bf16-tp8); the same for every router of the run",
     )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run every level N times (round k runs the routers in their order rotated by k); "
+        "the goals table averages the rounds and shows how far one round's ratio strays",
+    )
     p.add_argument("--slo-ttft-s", type=_positive, default=2.0, metavar="S")
     p.add_argument("--slo-tok-s", type=_positive, default=20.0, metavar="X")
     p.add_argument("--request-timeout-s", type=_positive, default=600.0, metavar="S")
@@ -259,8 +267,10 @@ def _spec_runs(
     name = cfg.targets[0][0]
     bd = cfg.extra["_deployment"]
     cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items() if k != "_deployment"})
-    for level in cfg.concurrency:
-        run_dir = args.logs / f"{name}-c{level}-stack" if args.logs is not None else None
+    rounds = max(1, cfg.repeat)
+    for level, rnd in ((c, k) for c in cfg.concurrency for k in range(rounds)):
+        suffix = f"-r{rnd + 1}" if rounds > 1 else ""
+        run_dir = args.logs / f"{name}-c{level}{suffix}-stack" if args.logs is not None else None
         state = (
             Path(tempfile.mkdtemp(prefix=f"beamserve-bench-{name}-"))
             if run_dir is None
@@ -271,8 +281,12 @@ def _spec_runs(
                 f"{name} @ C={level}: {spec_path} up, router {stack.router_url}, "
                 + ", ".join(f"{role} {url}" for role, url in stack.workers)
             )
-            one = dataclasses.replace(cfg, targets=[(name, stack.router_url)], concurrency=[level])
+            one = dataclasses.replace(
+                cfg, targets=[(name, stack.router_url)], concurrency=[level], repeat=1
+            )
             got = agentic.run_agentic(one, say=console.print, progress=progress)
+        for r in got:  # each round on a stack of its own
+            r.data |= {"round": rnd, "rounds": rounds}
         results += got
         if args.json is not None:
             agentic.write_json(results, args.json)
@@ -349,6 +363,7 @@ def agentic_main(args: argparse.Namespace, console: Console) -> int:
         slo_ttft_s=args.slo_ttft_s,
         slo_tok_s=args.slo_tok_s,
         logs=args.logs,
+        repeat=args.repeat,
         extra={
             "trace": str(args.trace),
             "token_scale": args.token_scale,

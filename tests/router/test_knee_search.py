@@ -58,8 +58,10 @@ def test_page_hashes_of_a_prefix_are_a_prefix(ids: list[int], cut: int, per_page
 
 
 @pytest.mark.parametrize(
-    "name", ["least-queued", "round-robin", "pace-hold-1", "gate-lifo-32k", "prime-4k"]
-)
+    "name",
+    ["least-queued", "round-robin", "pace-hold-1", "gate-lifo-32k", "prime-4k", "least-inflight",
+     "harm-1-r0.5", "split-idle-8k-m1"],
+)  # fmt: skip
 def test_every_request_is_served_once_at_the_workload_s_hit_ratio(sessions, name: str) -> None:
     _, recs = _run(sessions, name)
     assert len(recs) == sum(s.requests for s in sessions)
@@ -90,6 +92,22 @@ def test_held_first_turns_go_shortest_first(sessions) -> None:
     held = [r for r in first if (r.dispatched or 0) > r.sent]
     assert len(held) >= 6
     assert [r.prompt for r in held] == sorted(r.prompt for r in held)
+
+
+def test_split_idle_prefills_first_turns_away_from_home_only_past_its_margin(sessions) -> None:
+    """With no margin to meet it is least-sessions exactly; with one, some first turns are
+    prefilled on a worker that is not their session's, and every answer still comes from home."""
+    _, plain = _run(sessions, "least-sessions", concurrency=12)
+    never = ks.Loop(sessions, ks.SplitIdle(8192, margin=10**6), concurrency=12)
+    same = never.run()
+    assert [(r.worker, r.first, r.end) for r in same] == [(r.worker, r.first, r.end) for r in plain]
+    loop = ks.Loop(sessions, ks.SplitIdle(1024, margin=0.5), concurrency=12)
+    recs = loop.run()
+    computed = {w: e.stats().prompt_tokens_total - e.stats().prefix_cache_hits_tokens
+                for w, e in loop.engines.items()}  # fmt: skip
+    homed = {w: sum(r.prompt - r.cached for r in recs if r.worker == w) for w in loop.engines}
+    assert computed != homed  # some prefill ran where its session does not live
+    assert len(recs) == sum(s.requests for s in sessions)
 
 
 def test_the_ceiling_row_beats_the_least_queued_baseline(sessions) -> None:
