@@ -273,25 +273,36 @@ class SplitIdle(Strategy):
         if busy(worker) - busy(p) < self.margin:
             h.submit(worker, rec, rec.req)
             return
-        leg = SimRequest(
-            h.new_id("prefill"),
-            prompt_tokens=rec.prompt,
-            max_output_tokens=1,
-            output_tokens=1,
-            block_hashes=rec.req.block_hashes,
-        )
-        moved = replace(
-            rec.req,
-            remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
-        )
+        prefill_leg(h, worker, rec, p)
 
-        def done(u: RequestUpdate) -> None:
-            if u.finished:
-                h.release_slot(worker, rec)
-                h.submit(worker, rec, moved)
 
-        h.hold_slot(worker, rec)
-        h.engines[p].submit(leg, done, stream=False)
+def prefill_leg(
+    h: Loop, worker: str, rec: Rec, p: str, answered: Callable[[], None] | None = None
+) -> None:
+    """Prefill `rec`'s whole prompt on `p` (its cache serves what it holds), then decode on
+    `worker` once the KV moved (the sim's P/D transfer time); `answered` runs when the leg
+    answers, before the decode is submitted."""
+    leg = SimRequest(
+        h.new_id("prefill"),
+        prompt_tokens=rec.prompt,
+        max_output_tokens=1,
+        output_tokens=1,
+        block_hashes=rec.req.block_hashes,
+    )
+    moved = replace(
+        rec.req,
+        remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
+    )
+
+    def done(u: RequestUpdate) -> None:
+        if u.finished:
+            if answered is not None:
+                answered()
+            h.release_slot(worker, rec)
+            h.submit(worker, rec, moved)
+
+    h.hold_slot(worker, rec)
+    h.engines[p].submit(leg, done, stream=False)
 
 
 class LeastInflight(Strategy):
@@ -573,28 +584,9 @@ class Disaggregated(Strategy):
     def _leg(self, h: Loop, worker: str, rec: Rec, p: str, booked: int) -> None:
         """Prefill `rec`'s whole prompt on `p` (its cache serves what it holds), then decode on
         `worker` once the KV moved; `booked` tokens count on `p` until the leg answers."""
-        leg = SimRequest(
-            h.new_id("prefill"),
-            prompt_tokens=rec.prompt,
-            max_output_tokens=1,
-            output_tokens=1,
-            block_hashes=rec.req.block_hashes,
-        )
-        moved = replace(
-            rec.req,
-            remote_prefill=RemotePrefill(transfer_seconds=h.lat.pd_transfer_seconds(rec.prompt)),
-        )
         key = id(rec)
         self.legs[p][key] = booked
-
-        def done(u: RequestUpdate) -> None:
-            if u.finished:
-                self.legs[p].pop(key, None)
-                h.release_slot(worker, rec)
-                h.submit(worker, rec, moved)
-
-        h.hold_slot(worker, rec)
-        h.engines[p].submit(leg, done, stream=False)
+        prefill_leg(h, worker, rec, p, lambda: self.legs[p].pop(key, None))
 
 
 class FirstTurnsElsewhere(LeastQueued):
