@@ -89,8 +89,9 @@ def add_bench_agentic(bench_sub: Any) -> argparse.ArgumentParser:
         description="Closed-loop replay of claude-code sessions over HTTP through each router "
         "under test, in front of fresh sim workers (default) or routers already running "
         "(--target/--peer). Per router and concurrency: tok/s (per GPU), TTFT p50/p90/p99, "
-        "per-user tok/s, cache-hit ratio, errors by status, goodput, router CPU per request. "
-        "docs/bench/agentic.md.",
+        "per-user tok/s, cache-hit ratio, errors by status, goodput, router CPU per request; "
+        "then, per level, each beamserve router against the best peer router (the goals "
+        "table; --repeat N averages N rounds). docs/bench/agentic.md.",
     )
     _common(p)
     from .agentic_workload import default_trace_dir
