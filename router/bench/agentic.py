@@ -292,9 +292,9 @@ def run_agentic(
                 data["versions"] = _versions(spec)
                 if spec is not None:
                     data |= {"kind": spec.kind, "policy": spec.policy}
-                run_name = f"-r{rnd + 1}" if rounds > 1 else ""
+                suffix = round_suffix(rnd, rounds)
                 try:
-                    data |= _one_run(cfg, level, spec, target_url, progress, task, run_name)
+                    data |= _one_run(cfg, level, spec, target_url, progress, task, suffix)
                 except ProcError as exc:
                     data["skipped"] = f"did not start: {str(exc).splitlines()[0]}"
                     say(f"[red]skipping {tag}: {exc}")
@@ -315,6 +315,11 @@ def run_agentic(
                 )
             )
     return results
+
+
+def round_suffix(rnd: int, rounds: int) -> str:
+    """What ends a round's logs folder (``-rK``, K from 1); nothing when a level runs once."""
+    return f"-r{rnd + 1}" if rounds > 1 else ""
 
 
 def _one_run(

@@ -270,7 +270,7 @@ def _spec_runs(
     cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items() if k != "_deployment"})
     rounds = max(1, cfg.repeat)
     for level, rnd in ((c, k) for c in cfg.concurrency for k in range(rounds)):
-        suffix = f"-r{rnd + 1}" if rounds > 1 else ""
+        suffix = agentic.round_suffix(rnd, rounds)
         run_dir = args.logs / f"{name}-c{level}{suffix}-stack" if args.logs is not None else None
         state = (
             Path(tempfile.mkdtemp(prefix=f"beamserve-bench-{name}-"))

@@ -74,22 +74,6 @@ class GoalRow:
     def throughput_met(self) -> bool:
         return self.ratio >= 1.0 and self.p90_ok
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "concurrency": self.concurrency,
-            "router": self.router,
-            "runs": self.runs,
-            "tok_s_per_gpu": self.tok_s_per_gpu,
-            "best_peer": self.best_peer,
-            "best_peer_tok_s_per_gpu": self.best_peer_tok_s_per_gpu,
-            "x_best_peer": self.ratio,
-            "x_best_peer_per_round": [self.round_ratio_min, self.round_ratio_max],
-            "ttft_p90_s": self.ttft_p90_s,
-            "best_peer_ttft_p90_s": self.best_peer_ttft_p90_s,
-            "goodput_x_best_peer": self.goodput_ratio,
-            "throughput_met": self.throughput_met,
-        }
-
 
 def _usable(data: Mapping[str, Any]) -> bool:
     if data.get("skipped"):
@@ -100,24 +84,26 @@ def _usable(data: Mapping[str, Any]) -> bool:
 
 def means(rows: Iterable[Mapping[str, Any]]) -> dict[int, list[Mean]]:
     """Per level, each router's usable runs averaged (routers in first-seen order)."""
-    grouped: dict[int, dict[str, list[Mapping[str, Any]]]] = {}
+    grouped: dict[int, dict[tuple[str, Side], list[Mapping[str, Any]]]] = {}
     for d in rows:
-        if not _usable(d) or side_of(d) is None:
+        side = side_of(d)
+        if side is None or not _usable(d):
             continue
-        grouped.setdefault(int(d["concurrency"]), {}).setdefault(str(d["router"]), []).append(d)
+        key = (str(d["router"]), side)
+        grouped.setdefault(int(d["concurrency"]), {}).setdefault(key, []).append(d)
     out: dict[int, list[Mean]] = {}
     for level, by_router in sorted(grouped.items()):
         out[level] = [
             Mean(
                 router=name,
-                side=side_of(ds[0]) or "peer",
+                side=side,
                 runs=len(ds),
                 tok_s_per_gpu=statistics.fmean(float(d["total_tok_s_per_gpu"]) for d in ds),
                 ttft_p90_s=statistics.fmean(float(d["ttft_p90_s"]) for d in ds),
                 goodput_rps=statistics.fmean(float(d["goodput_rps"]) for d in ds),
                 by_round={int(d.get("round", 0)): float(d["total_tok_s_per_gpu"]) for d in ds},
             )
-            for name, ds in by_router.items()
+            for (name, side), ds in by_router.items()
         ]
     return out
 

@@ -108,6 +108,10 @@ def test_split_idle_prefills_first_turns_away_from_home_only_past_its_margin(ses
     homed = {w: sum(r.prompt - r.cached for r in recs if r.worker == w) for w in loop.engines}
     assert computed != homed  # some prefill ran where its session does not live
     assert len(recs) == sum(s.requests for s in sessions)
+    homes: dict[str, set[str]] = {}
+    for r in recs:
+        homes.setdefault(r.session, set()).add(r.worker)
+    assert all(len(ws) == 1 for ws in homes.values())  # every answer from the session's home
 
 
 def test_the_ceiling_row_beats_the_least_queued_baseline(sessions) -> None:
