@@ -97,6 +97,7 @@ class Dispatch:
     opened_at: float = 0.0
     spilled: bool = False
     pieced_tokens: int = 0  # the longest prefix the prefill in pieces sent first (0: none)
+    unpredicted: bool = False  # routed with `predict=False`: `predict` still to run
 
     @property
     def closed(self) -> bool:
@@ -259,10 +260,21 @@ class RoutingCore:
         return Dispatch(request, ticket, opened_at=self.clock())
 
     def route(
-        self, d: Dispatch, endpoints: Sequence[Endpoint], warm: str | None = None
+        self,
+        d: Dispatch,
+        endpoints: Sequence[Endpoint],
+        warm: str | None = None,
+        *,
+        predict: bool = True,
     ) -> RouteDecision:
         """Decide among `endpoints` (minus those an earlier attempt excluded) and book the
-        decision. Raises `NoCandidates` (the dispatch stays admitted: close it)."""
+        decision. Raises `NoCandidates` (the dispatch stays admitted: close it).
+
+        `predict=False`: book the load now, write the index predictions when `predict(d)` is
+        called — the HTTP door calls it once the request's bytes are on their way to the
+        worker, so that a long prompt's predictions (a pass over its blocks) are not between
+        the decision and the upstream call. Every later step of the lifecycle runs it first if
+        it has not run."""
         if d.phase != "admitted":
             raise RuntimeError(f"route() on a dispatch that is {d.phase}")
         eps = [e for e in endpoints if e.id not in d.excluded] if d.excluded else endpoints
@@ -275,16 +287,24 @@ class RoutingCore:
         d.spilled = bool(only)
         decision = self.decide(d.request, only or eps, warm, local=d.spilled)
         d.decision = decision
-        d.flight = self.dispatched(d.request, decision)
+        d.flight = self.dispatched(d.request, decision, predict=predict)
+        d.unpredicted = not predict
         d.phase = "dispatched"
         routed = getattr(d.ticket, "routed", None)
         if routed is not None:
             routed()  # its load is booked: the flow gate's prefill stage sees it now
         return decision
 
+    def predict(self, d: Dispatch) -> None:
+        """The index predictions of the current decision (`dispatched`), once per attempt."""
+        if d.unpredicted and d.decision is not None:
+            d.unpredicted = False
+            self._predict(d.request, d.decision)
+
     def first_token(self, d: Dispatch) -> None:
         """The first output token arrived: the prefill load becomes decode load (and
         `on_prefill_done` hears of it when the prefill ran on a prefill worker)."""
+        self.predict(d)
         if d.phase == "dispatched" and d.flight is not None:
             d.first_token_at = self.clock()
             self.loads.first_token(d.flight, d.first_token_at)
@@ -353,6 +373,7 @@ class RoutingCore:
         (breaker), exclude it, and go back to admitted for another `route`."""
         if d.closed:
             return
+        self.predict(d)
         self._release_flight(d)
         if worker_failed:
             self.loads.failed(worker)
@@ -418,6 +439,7 @@ class RoutingCore:
         self.cancel(d)
 
     def _close(self, d: Dispatch, phase: Phase, service: int) -> None:
+        self.predict(d)
         self._release_flight(d)
         if d.ticket is not None:
             d.ticket.release(service)
@@ -442,8 +464,16 @@ class RoutingCore:
         blocks = decision.expected_hit.full_blocks
         return min(request.prompt_tokens, blocks * self.geometry_of(worker).block_size)
 
-    def dispatched(self, request: RouteRequest, decision: RouteDecision) -> Flight:
-        """The request is being sent as decided: predict its blocks, book its load."""
+    def dispatched(
+        self, request: RouteRequest, decision: RouteDecision, *, predict: bool = True
+    ) -> Flight:
+        """The request is being sent as decided: predict its blocks (`predict=False`: not
+        now), book its load."""
+        if predict:
+            self._predict(request, decision)
+        return self._book(request, decision)
+
+    def _predict(self, request: RouteRequest, decision: RouteDecision) -> None:
         now = self.clock()
         ttl = self.config.predict_ttl_s
         decode, prefill = decision.decode, decision.prefill
@@ -459,11 +489,14 @@ class RoutingCore:
                 # every replica's index (each subscribes to the same events)
                 if added and self.on_predict is not None:
                     self.on_predict(ep.id, added, ttl)
+
+    def _book(self, request: RouteRequest, decision: RouteDecision) -> Flight:
+        decode, prefill = decision.decode, decision.prefill
         uncached = self.uncached_tokens(
             request, decision.expected_hit, self.geometry_of(prefill or decode)
         )
         return self.loads.start(
-            decision.decode.id,
+            decode.id,
             uncached,
             request.prompt_tokens + request.max_tokens,
             prefill.id if prefill is not None else None,

@@ -43,6 +43,7 @@ from beamserve.router.types import Endpoint, RouteDecision
 log = structlog.get_logger(__name__)
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
 PrefillDoneHook = Callable[[], None]  # the prefill leg answered (`RoutingCore.prefill_hook`)
+SentHook = Callable[[], None]  # the decode call's body is on its way to the worker
 # Worker calls are encoded with orjson (a 100K-token conversation is ~0.5 MB of JSON).
 JSON_HEADERS = {"content-type": "application/json"}
 KEEPALIVE_S = 4.0
@@ -180,6 +181,22 @@ class UpstreamChunks:
             self._resp.close()
 
 
+def _sent_trace() -> aiohttp.TraceConfig:
+    """Runs a request's `SentHook` (its `trace_request_ctx`) right after its body went to the
+    socket: aiohttp signals a body chunk just before it writes it, synchronously, so the hook,
+    scheduled for the loop's next turn from that signal, runs once the bytes are out."""
+
+    async def on_chunk(_s: object, ctx: Any, _p: object) -> None:
+        hook = ctx.trace_request_ctx
+        if hook is not None:
+            ctx.trace_request_ctx = None  # once per request
+            asyncio.get_running_loop().call_soon(hook)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(on_chunk)
+    return trace
+
+
 class Upstreams:
     def __init__(
         self,
@@ -214,17 +231,31 @@ class Upstreams:
                     keepalive_timeout=KEEPALIVE_S,
                 ),
                 auto_decompress=False,
+                trace_configs=[_sent_trace()],
             )
         return self._session
 
     # --- legs ------------------------------------------------------------------------------------
-    async def post(self, ep: Endpoint, path: str, body: dict[str, Any], timeout: float) -> Any:
+    async def post(
+        self,
+        ep: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        timeout: float,
+        *,
+        on_sent: SentHook | None = None,
+    ) -> Any:
         """One non-streaming worker call, bounded by `timeout` s: the answer's JSON. Raises
-        `UpstreamError` (unreachable, timeout, 5xx, not JSON) or `APIError` (the worker's 4xx)."""
+        `UpstreamError` (unreachable, timeout, 5xx, not JSON) or `APIError` (the worker's 4xx).
+        `on_sent`: called once the body went out."""
         t = aiohttp.ClientTimeout(total=timeout, connect=self.connect_timeout_s)
         try:
             async with self.http.post(
-                ep.url + path, data=orjson.dumps(body), headers=JSON_HEADERS, timeout=t
+                ep.url + path,
+                data=orjson.dumps(body),
+                headers=JSON_HEADERS,
+                timeout=t,
+                trace_request_ctx=on_sent,
             ) as r:
                 status, raw = r.status, await r.read()
         except TimeoutError as exc:
@@ -323,9 +354,13 @@ class Upstreams:
         call: UpstreamCall,
         on_fallback: FallbackHook,
         on_prefill_done: PrefillDoneHook | None = None,
+        on_sent: SentHook | None = None,
     ) -> dict[str, Any]:
+        """The decode call, answered whole. `on_sent`: called once its body went out."""
         body = await self._decode_body(d, call, on_fallback, on_prefill_done)
-        answer = await self.post(d.decode, call.path, body, self.first_byte_timeout_s)
+        answer = await self.post(
+            d.decode, call.path, body, self.first_byte_timeout_s, on_sent=on_sent
+        )
         if not isinstance(answer, dict):
             raise UpstreamError(d.decode.id, "protocol", "answer is not a JSON object")
         return answer
@@ -340,13 +375,16 @@ class Upstreams:
         call: UpstreamCall,
         on_fallback: FallbackHook,
         on_prefill_done: PrefillDoneHook | None = None,
+        on_sent: SentHook | None = None,
     ) -> UpstreamChunks:
+        """The decode call's stream, once its answer starts. `on_sent`: called once its body
+        went out."""
         body = await self._decode_body(d, call, on_fallback, on_prefill_done)
         ep = d.decode
         try:
             resp = await self.http.post(
                 ep.url + call.path, data=orjson.dumps(body), headers=JSON_HEADERS,
-                timeout=self.timeout,
+                timeout=self.timeout, trace_request_ctx=on_sent,
             )  # fmt: skip
         except TimeoutError as exc:
             raise UpstreamError(ep.id, "timeout", "no answer in time") from exc

@@ -89,9 +89,9 @@ def test_saturation_puts_continuing_turns_first_and_sheds_the_lowest_band(
     order: list[str] = []
     dispatched = rt.core.dispatched
 
-    def record(req: Any, d: Any) -> Any:
+    def record(req: Any, d: Any, **kw: Any) -> Any:
         order.append(req.band)
-        return dispatched(req, d)
+        return dispatched(req, d, **kw)
 
     rt.core.dispatched = record  # type: ignore[method-assign]
 

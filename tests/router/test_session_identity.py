@@ -219,9 +219,9 @@ def test_a_continuing_turn_is_admitted_at_the_cost_of_its_new_part(
     seen: list[RouteRequest] = []
     dispatched = rt.core.dispatched
 
-    def book(req: Any, d: Any) -> Any:
+    def book(req: Any, d: Any, **kw: Any) -> Any:
         seen.append(req)
-        return dispatched(req, d)
+        return dispatched(req, d, **kw)
 
     rt.core.dispatched = book  # type: ignore[method-assign]
 
@@ -263,9 +263,9 @@ def test_a_caller_minting_session_ids_does_not_starve_another_tenant(
     order: list[str] = []
     dispatched = rt.core.dispatched
 
-    def record(req: Any, d: Any) -> Any:
+    def record(req: Any, d: Any, **kw: Any) -> Any:
         order.append(req.tenant)
-        return dispatched(req, d)
+        return dispatched(req, d, **kw)
 
     rt.core.dispatched = record  # type: ignore[method-assign]
 
