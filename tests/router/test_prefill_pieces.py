@@ -135,9 +135,7 @@ def _pieced_turn(
     rt, worker = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
     post = rt.router.upstreams.post
 
-    async def watched(
-        ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any
-    ) -> Any:
+    async def watched(ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
         if path == "/v1/completions":
             on_piece(rt, ep, body)
         return await post(ep, path, body, timeout, **kw)
@@ -183,9 +181,7 @@ def test_pieces_the_engine_did_not_keep_are_counted_missed(spawn_worker: SpawnWo
     rt, _ = router_over(w.url, prefill_piece_min_tokens=512, prefill_piece_tokens=256)
     post = rt.router.upstreams.post
 
-    async def shifted(
-        ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any
-    ) -> Any:
+    async def shifted(ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
         if path == "/v1/completions":
             body = {**body, "prompt": [t + 1 for t in body["prompt"]]}
         return await post(ep, path, body, timeout, **kw)
