@@ -221,6 +221,31 @@ def test_lone_surrogates_are_rejected() -> None:
     assert _parse("chat", ok).request.messages[0].content == "\U0001f600"
 
 
+numbers = st.recursive(
+    st.none()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.floats(min_value=1e18, max_value=1e22)
+    | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(numbers)
+def test_numbers_are_read_as_the_standard_parser_reads_them(value: Any) -> None:
+    """Whichever parser reads a body, every number comes out as `json.loads` gives it, of the
+    same type: an integer outside 64 bits stays an exact int, a float as large stays a float."""
+    body = json.dumps({**GOOD["chat"], "metadata": value}).encode()
+    raw = _parse("chat", body).raw
+    want = json.loads(body)
+    assert raw == want and repr(raw) == repr(want)
+
+
 def test_content_shapes_normalise_in_anthropic_and_responses() -> None:
     msgs = _parse(
         "messages",

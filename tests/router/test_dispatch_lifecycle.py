@@ -211,3 +211,37 @@ def test_route_twice_without_an_outcome_is_a_bug() -> None:
     with pytest.raises(RuntimeError, match="dispatched"):
         core.route(d, BOTH)
     core.close(d)
+
+
+def _predicted(core: RoutingCore, worker: str, hashes: tuple[int, ...]) -> int:
+    hit = core.index.match(hashes, [worker], block_size=16, sliding_window=512)[worker]
+    return hit.predicted_blocks
+
+
+@pytest.mark.parametrize("end", ["predict", "first", "retry", "fail", "cancel", "close"])
+def test_predictions_put_off_at_routing_are_written_once_by_whatever_comes_next(
+    end: str,
+) -> None:
+    """`route(..., predict=False)` books the load but leaves the index alone until `predict`
+    (the HTTP door: once the request went out) or any later step of the lifecycle, whichever
+    comes first; they are written once."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    core = RoutingCore(build_policy("sticky-until-saturated"))
+    core.on_predict = lambda worker, keys, _ttl: calls.append((worker, keys))
+    hashes = (11, 12, 13)
+    req = RouteRequest("r", prompt_tokens=48, block_hashes=hashes, session_id="s", max_tokens=4)
+    d = core.open(req, CountingTicket())
+    decision = core.route(d, BOTH, predict=False)
+    worker = decision.decode.id
+    assert core.loads.load(worker).in_flight == 1  # booked
+    assert _predicted(core, worker, hashes) == 0 and calls == []
+    step = {"predict": core.predict, "first": core.first_token, "cancel": core.cancel,
+            "close": core.close, "retry": lambda d: core.retry(d, worker),
+            "fail": lambda d: core.fail(d, worker=worker)}[end]  # fmt: skip
+    step(d)
+    assert _predicted(core, worker, hashes) == 3
+    assert calls == [(worker, hashes)]
+    core.predict(d)
+    core.close(d)
+    assert len(calls) == 1  # once
+    books_are_empty(core, BOTH)

@@ -196,13 +196,19 @@ def apply_op(index: PrefixIndex, model: Model, op: tuple[object, ...], now: floa
     elif kind == "predict":
         _, w, hashes, ttl = op
         assert isinstance(w, str) and isinstance(hashes, list) and isinstance(ttl, float)
-        index.predict(w, hashes, ttl_s=ttl, now=now)
+        added = index.predict(w, hashes, ttl_s=ttl, now=now)
         model.worker(w)
+        moved = set()
         for key in (block_key(h) for h in hashes):
             if key in model.full[w] and key in model.window[w]:
                 continue
             old = model.pred[w].get(key, -1.0)
-            model.pred[w][key] = max(old, now + ttl)
+            if old > now and old >= now + ttl:
+                continue
+            model.pred[w][key] = now + ttl
+            moved.add(key)
+        # what it returns: the blocks predicted or moved to the later expiry (replica sync's)
+        assert set(added) == moved, (hashes, added)
     elif kind == "tick":
         assert isinstance(op[1], float)
         return now + op[1]
