@@ -27,8 +27,14 @@ def _call(stream: bool) -> Any:
     return to_upstream(parse_request("chat", json.dumps(body).encode(), 1 << 22))
 
 
-async def _worker(release: asyncio.Event, got: list[int]) -> tuple[web.AppRunner, str]:
+async def _worker(
+    release: asyncio.Event, got: list[int], peers: list[int] | None = None
+) -> tuple[web.AppRunner, str]:
+    """`got`: each request's body size; `peers`: each request's client port (its connection)."""
+
     async def chat(request: web.Request) -> web.StreamResponse:
+        if peers is not None:
+            peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
         body = await request.read()
         got.append(len(body))
         await release.wait()
@@ -42,7 +48,9 @@ async def _worker(release: asyncio.Event, got: list[int]) -> tuple[web.AppRunner
         await resp.prepare(request)
         for frame in (chunk, usage):
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
+            await asyncio.sleep(0.02)  # a token at a time
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.02)  # the body's end comes a moment after the stream's
         return resp
 
     app = web.Application(client_max_size=1 << 24)
@@ -105,5 +113,34 @@ def test_on_sent_does_not_run_for_a_call_that_never_went_out() -> None:
             assert sent == []
         finally:
             await up.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_stream_read_to_its_end_leaves_its_connection_for_the_next_call() -> None:
+    """The worker's body ends a moment after `[DONE]`: the connection is kept once that end
+    is read (three calls, one connection), while a stream cut short closes its connection (how
+    the worker learns to abort), so the call after it comes on a new one."""
+
+    async def main() -> None:
+        release = asyncio.Event()
+        release.set()
+        peers: list[int] = []
+        runner, url = await _worker(release, [], peers)
+        ep = Endpoint("w", url)
+        up = Upstreams(lambda: [ep], LoadBook())
+        try:
+            for cut_short in (False, False, False, True, False):
+                chunks = await up.stream(RouteDecision(decode=ep), _call(True), lambda r, w: None)
+                await chunks.first()
+                if not cut_short:
+                    async for _ in chunks.raw():
+                        pass
+                await chunks.aclose()
+            assert len(peers) == 5
+            assert peers[0] == peers[1] == peers[2] == peers[3] != peers[4]
+        finally:
+            await up.aclose()
+            await runner.cleanup()
 
     asyncio.run(main())
