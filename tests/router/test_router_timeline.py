@@ -1,0 +1,49 @@
+"""`scripts/router-timeline.py`: a long prompt's way through the router, stage by stage, over
+real HTTP (a sim worker process, the router served by uvicorn in the script's process, a
+client process). The order it reports is the dispatch path's contract: the index predictions
+and the decision's record come after the upstream socket write, never between the decision and
+the call to the worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "router-timeline.py"
+
+
+def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path: Path) -> None:
+    out = tmp_path / "timeline.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tokens", "4000", "-n", "4", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    stages = [r["stage"] for r in report["stages"]]
+    assert all(r["n"] == 4 for r in report["stages"]), report["stages"]
+    at = {s: i for i, s in enumerate(stages)}
+    path = ["request in", "body read", "parsed", "hashed", "admitted", "decided",
+            "routed (booked)", "upstream call", "socket write", "written"]  # fmt: skip
+    assert [at[s] for s in path] == sorted(at[s] for s in path), stages
+    assert at["predicted"] > at["written"] and at["decision recorded"] > at["written"]
+    answer = ["worker answered", "first chunk", "response start", "first bytes sent",
+              "client's first token"]  # fmt: skip
+    assert [at[s] for s in answer] == sorted(at[s] for s in answer), stages
+    assert at["first chunk"] > at["predicted"]
+
+
+def test_only_a_beamserve_router_can_be_looked_inside() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--router", "smg-cache_aware"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "--router 'smg-cache_aware': use one of" in run.stderr
+    assert "beamserve-adaptive-spill" in run.stderr
