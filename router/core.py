@@ -9,6 +9,8 @@ picker and the benchmark replay)::
 
     d = core.open(request, ticket)          # admitted (flow-control ticket, may be None)
     decision = core.route(d, endpoints, warm)   # decided + dispatched: predictions, load booked
+                                            #   (predict=False: load only; `core.predict(d)`
+                                            #   writes the predictions, or the next step does)
     core.first_token(d)                     # prefill done: its load moves to decode
     binding = core.finish(d, output_tokens) # success: load and ticket released, breaker closed;
                                             #   the session rests on its worker till its next turn
