@@ -82,11 +82,11 @@ import tracemalloc
 
 # `operator.and_` is `_operator.and_`; imported from the C module so that the repo's `operator/`
 # package (the Kubernetes operator) can never shadow it, whatever the working directory.
-from _operator import and_, is_, not_
+from _operator import and_
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, repeat
 from typing import Protocol
 
 from beamserve.kvwire.events import BlockStored, KVEventBatch
@@ -442,36 +442,23 @@ class PrefixIndex:
         pair = 3 << shift
         expiry = now + ttl_s
         preds = self._pred_by_bit.setdefault(bit, {})
+        blocks = self._blocks
         pred_mask = self._pred_mask
         intern = self._intern
-        keys = self._keys_of(block_hashes)
-        # In C passes over the blocks (a 100K-token prompt has 1,562), not a Python loop: the
-        # blocks events already hold in both groups are skipped; of the rest, those without a
-        # live prediction are predicted (one by one: a turn's new blocks), and live ones
-        # ending before `expiry` get it (at once: the turn's older blocks).
-        held = map(pair.__eq__, map(and_, map(self._blocks.get, keys, repeat(0)), repeat(pair)))
-        rest = list(compress(keys, map(not_, held)))
-        olds = list(map(preds.get, rest))
-        fresh = list(map(is_, olds, repeat(None)))
         added: list[int] = []
-        if True in fresh:
-            for key in compress(rest, fresh):
-                if key not in preds:  # (a key twice in one prompt: predicted once)
-                    pred_mask[key] = intern(pred_mask.get(key, 0) | pair)
-                    preds[key] = expiry
-                    added.append(key)
-            live = list(compress(rest, map(not_, fresh)))
-            ends: list[float] = list(compress(olds, map(not_, fresh)))  # type: ignore[arg-type]
-        else:
-            live, ends = rest, olds  # type: ignore[assignment]
-        if live:
-            # A live prediction already has its bits in pred_mask (every path that drops one
-            # clears them): a refresh only moves the expiry. One that ends at `expiry` or later
-            # (another router's, shared with a longer TTL) stays.
-            if max(ends) >= expiry:
-                live = [k for k, end in zip(live, ends, strict=True) if end < expiry]
-            preds.update(zip(live, repeat(expiry)))
-            added += live
+        keys = self._keys_of(block_hashes)
+        for key, real in zip(keys, map(blocks.get, keys, repeat(0)), strict=True):
+            if real & pair == pair:
+                continue
+            old = preds.get(key)
+            if old is None:
+                pred_mask[key] = intern(pred_mask.get(key, 0) | pair)
+            elif old >= expiry:
+                continue
+            # A live prediction already has its bits in pred_mask (every path that drops a
+            # prediction clears them): a refresh only moves the expiry.
+            preds[key] = expiry
+            added.append(key)
         if not added:
             return ()
         out = tuple(added)
