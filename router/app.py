@@ -6,7 +6,8 @@ One request, end to end (`Router.handle`):
    validation in the API's own error shape (`router.api`);
 2. the worker call (`to_upstream`), the session id (headers, else a hash of the conversation's
    opening) scoped to the caller's tenant (`tenant_and_session`), the prompt's token ids and
-   block hashes (`PromptHasher`: precise or approximate);
+   block hashes (`PromptHasher`: precise or approximate); a long prompt that starts a
+   session is routed on its head (`HEAD_CHARS`, `_Tail`) and finished after the call went out;
 3. flow control (`band_of`): band = `sheddable` (key class or `x-beamserve-priority:
    sheddable`), `continuing` (the prompt extends the session's last turn), or `new`; tenant =
    the key's, or the anonymous caller's address; `FlowController.admit` queues, gates on pool
@@ -110,6 +111,16 @@ class RouterSettings:
     default_max_tokens: int = 4096
 
 
+@dataclass(eq=False)
+class _Tail:
+    """A request routed on its prompt's head key (`PromptKey.partial`): the prompt's rest is
+    tokenized and hashed once the request is on its way to the worker (`Router._settle`)."""
+
+    key: PromptKey
+    body_bytes: int
+    task: asyncio.Future[None] | None = None
+
+
 class _Turn(NamedTuple):
     """One client request on its way through `Router._dispatch`."""
 
@@ -118,6 +129,7 @@ class _Turn(NamedTuple):
     parsed: ParsedRequest
     call: UpstreamCall
     dispatch: Dispatch
+    tail: _Tail | None = None
 
 
 class ClosingStream(StreamingResponse):
@@ -150,6 +162,12 @@ class ClosingStream(StreamingResponse):
 OFF_LOOP_BYTES = 2 * 1024 * 1024
 # Approximate mode over-counts (whitespace runs are pseudo-tokens): the length check halves it.
 APPROX_LENGTH_SLACK = 2
+# A prompt that starts a session and has more than twice this many characters is routed on
+# its first segments of this many (a *head* key, `PromptKey.partial`) when that decides every
+# worker's hit: the first block no worker holds ends every hit. Its rest is tokenized and
+# hashed while the worker starts on it (`Router._settle`) — for a new 144K-token prompt,
+# 45–100 ms that were between the client and the worker.
+HEAD_CHARS = 8_192
 
 
 async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -356,13 +374,14 @@ class Router:
         call = to_upstream(parsed)
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        rreq, record = await self.route_request(
+        rreq, record, prompt = await self._route_request(
             call,
             headers,
             key,
             parsed.model or "",
             body_bytes=len(raw),
             client=request.client.host if request.client else None,
+            head=True,
         )
         hashing_s = time.perf_counter() - t0
         self.check_length(rreq, call, dialect)
@@ -370,7 +389,10 @@ class Router:
         d = self.core.open(rreq, ticket)
         self._track(d)
         try:
-            turn = _Turn(api, dialect, parsed, call, d)
+            tail = _Tail(prompt, len(raw)) if prompt.partial else None
+            if tail is not None:
+                self.metrics.prompt_heads.inc()
+            turn = _Turn(api, dialect, parsed, call, d, tail)
             # Until the answer starts, a client that goes away cancels the upstream call (the
             # worker aborts the request); once streaming, the response itself watches.
             return await unless_disconnected(
@@ -413,10 +435,37 @@ class Router:
         hashes, its band, and the session's record. `headers` have lower-case names.
         `body_bytes`: the request body's size (large ones are hashed off the event loop).
         `client`: the caller's address (the fairness tenant of anonymous callers)."""
+        rreq, record, _prompt = await self._route_request(
+            call, headers, key, model, body_bytes, client
+        )
+        return rreq, record
+
+    async def _route_request(
+        self,
+        call: UpstreamCall,
+        headers: Mapping[str, str],
+        key: KeyPolicy = ANONYMOUS,
+        model: str = "",
+        body_bytes: int = 0,
+        client: str | None = None,
+        head: bool = False,
+    ) -> tuple[RouteRequest, SessionRecord | None, PromptKey]:
+        """`route_request`, and the prompt's key. `head`: the key may be a head key
+        (`HEAD_CHARS`; the caller finishes it, `_settle`) — for a prompt that starts a session
+        (none on record), in one KV geometry, provably within the length limit."""
         limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
-        raw_id, prompt = await _off_loop(body_bytes, self._prompt_facts, call, headers, limit)
+        head_chars, max_chars = self._head_limits(call, limit) if head else (0, None)
+        raw_id, prompt = await _off_loop(
+            body_bytes, self._prompt_facts, call, headers, limit, head_chars, max_chars
+        )
+        if prompt.partial and not self._one_geometry():
+            prompt = await _off_loop(body_bytes, prompt.complete)
+        while prompt.partial and not self._head_decides(prompt):
+            prompt = await _off_loop(body_bytes, prompt.grow)
         tenant, session_id = tenant_and_session(key, raw_id, client)
         record = await self.sessions.get(session_id)
+        if prompt.partial and record is not None:  # the session's tip is matched whole
+            prompt = await _off_loop(body_bytes, prompt.complete)
         band = band_of(key, headers, record, call, prompt.block_hashes, self._live_session_s)
         resumed = 0
         if (
@@ -439,18 +488,81 @@ class Router:
             model=model,
             tenant=tenant,
         )
-        return rreq, record
+        return rreq, record, prompt
 
     def _prompt_facts(
-        self, call: UpstreamCall, headers: Mapping[str, str], limit: int | None
+        self,
+        call: UpstreamCall,
+        headers: Mapping[str, str],
+        limit: int | None,
+        head_chars: int = 0,
+        max_chars: int | None = None,
     ) -> tuple[str, PromptKey]:
         session_id, _source = session_id_from(
             headers, call.messages_for_session or call.prompt or ""
         )
         try:
-            return session_id, self.hasher.key(call, limit)
+            return session_id, self.hasher.key(
+                call, limit, head_chars=head_chars, max_chars=max_chars
+            )
         except PromptTooLong as exc:  # refused without tokenizing all of it
             raise _too_long(exc.floor, call, limit or 0, at_least=True) from exc
+
+    def _head_limits(self, call: UpstreamCall, limit: int | None) -> tuple[int, int | None]:
+        """`head_chars` and `max_chars` of `PromptHasher.key`: a head key only for a prompt
+        that `check_length` passes whatever its count (approximate tokens: one character or
+        more each)."""
+        if limit is None:
+            return HEAD_CHARS, None
+        room = limit - (call.max_tokens or 1)
+        return (HEAD_CHARS, room * APPROX_LENGTH_SLACK) if room > 0 else (0, None)
+
+    def _one_geometry(self) -> bool:
+        g = self.core.config.geometry
+        return all((e.geometry or g) is g for e in self.endpoints())
+
+    def _head_decides(self, prompt: PromptKey) -> bool:
+        """Does the head key decide every worker's hit? It does when no worker holds all of
+        its blocks (engine events or predictions): a hit is a run from the first block."""
+        hashes = prompt.block_hashes
+        if not hashes:
+            return False
+        g = self.core.config.geometry
+        hits = self.core.index.match(
+            hashes, None, block_size=g.block_size, sliding_window=g.sliding_window
+        )
+        return max((h.full_blocks for h in hits.values()), default=0) < len(hashes)
+
+    async def _settle(self, turn: _Turn) -> None:
+        """The prompt's whole key, when the request went on its head (`_Tail`): tokenize and
+        hash the rest off the loop (once), then rebook the dispatch with the exact numbers
+        (`RoutingCore.amend`). A failure leaves the head's numbers in place."""
+        tail = turn.tail
+        if tail is None:
+            return
+        if tail.task is None:
+            tail.task = asyncio.ensure_future(self._whole_key(turn.dispatch, tail))
+        try:
+            await asyncio.shield(tail.task)
+        except Exception:  # logged by `_whole_key`
+            pass
+
+    async def _whole_key(self, d: Dispatch, tail: _Tail) -> None:
+        try:
+            full = await _off_loop(tail.body_bytes, tail.key.complete)
+        except Exception:
+            log.exception("router.prompt_rest_failed", request_id=d.request.request_id)
+            raise
+        self.core.amend(
+            d,
+            dataclasses.replace(
+                d.request,
+                prompt_tokens=full.prompt_tokens,
+                block_hashes=full.block_hashes,
+                hashes_for=full.hashes_for,
+                token_ids=lambda: full.token_ids,
+            ),
+        )
 
     async def _admit(
         self,
@@ -487,14 +599,19 @@ class Router:
             decision = self._route(d, warm, turn.dialect)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
             hashing_s = 0.0
-            sent = self._sent(d, decision)
+            sent = self._sent(d, decision, turn)
+            protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
+            if turn.tail is not None and (
+                decision.prefill is not None
+                or (protect and (self._pace_hold is not None or self._pieces is not None))
+            ):
+                await self._settle(turn)  # a prefill leg, a hold or pieces go on the whole prompt
             if decision.prefill is not None:
                 self.core.predict(d)  # the prefill leg comes first, and may take seconds
             if d.spilled:
                 self.metrics.prefill_spills.inc()
                 if getattr(d.ticket, "spill_lull", False):
                     self.metrics.prefill_lull_spills.inc()
-            protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
             try:
                 if self._pace_hold is not None and protect:
                     await self._hold_for_pace(d, self._pace_hold)
@@ -518,21 +635,33 @@ class Router:
             finally:
                 sent()
 
-    def _sent(self, d: Dispatch, decision: RouteDecision) -> Callable[[], None]:
+    def _sent(self, d: Dispatch, decision: RouteDecision, turn: _Turn) -> Callable[[], None]:
         """What follows an attempt's decision once its request is on its way to the worker
-        (or the attempt ended before that), once: the index predictions and the decision's
-        metrics and log line. Off the path from the decision to the upstream call, where a
-        100K-token prompt's predictions took 0.3–0.4 ms."""
-        rreq = d.request
+        (or the attempt ended before that), once: the prompt's whole key when it went on its
+        head (`_settle`), the index predictions and the decision's metrics and log line. Off
+        the path from the decision to the upstream call, where a 100K-token prompt's
+        predictions took 0.3–0.4 ms."""
         pending = True
+
+        def record() -> None:
+            if d.decision is decision:
+                self.core.predict(d)
+            self._record_decision(decision, d.request)
+
+        async def settle_then_record() -> None:
+            await self._settle(turn)
+            record()
 
         def done() -> None:
             nonlocal pending
             if pending:
                 pending = False
-                if d.decision is decision:
-                    self.core.predict(d)
-                self._record_decision(decision, rreq)
+                tail = turn.tail
+                if tail is not None and not (tail.task is not None and tail.task.done()):
+                    task = asyncio.ensure_future(settle_then_record())
+                    task.add_done_callback(_discard_result)
+                else:
+                    record()
 
         return done
 
@@ -676,10 +805,11 @@ class Router:
             )
 
     async def _unary(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
-        api, _dialect, parsed, call, dispatch = turn
+        api, _dialect, parsed, call, dispatch, _tail = turn
         upstream = await self.upstreams.unary(
             d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
         )
+        await self._settle(turn)  # the books take the whole prompt before the first token
         self.core.first_token(dispatch)
         upstream.pop("kv_transfer_params", None)
         await self._finish(dispatch, upstream.get("usage") or {}, streamed=False)
@@ -693,7 +823,7 @@ class Router:
         return JSONResponse(body, headers=self._headers(d, dispatch.request))
 
     async def _stream(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
-        api, dialect, parsed, call, dispatch = turn
+        api, dialect, parsed, call, dispatch, _tail = turn
         rreq = dispatch.request
         chunks = await self.upstreams.stream(
             d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
@@ -708,6 +838,7 @@ class Router:
         )
         try:
             first = await chunks.first()  # UpstreamError before the first byte → retry
+            await self._settle(turn)  # the books take the whole prompt before the first token
         except BaseException:
             await chunks.aclose()
             raise
@@ -760,7 +891,7 @@ class Router:
             body(),
             closed,
             media_type="text/event-stream",
-            headers=self._headers(d, rreq),
+            headers=self._headers(d, dispatch.request),
         )
 
     def _on_pd_fallback(self, reason: str, worker: str) -> None:

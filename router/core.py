@@ -303,6 +303,24 @@ class RoutingCore:
             d.unpredicted = False
             self._predict(d.request, d.decision)
 
+    def amend(self, d: Dispatch, request: RouteRequest) -> None:
+        """`request` is what `d.request` stood for, now known whole: the HTTP door sends a long
+        new prompt on its *head* (`PromptKey.partial`: the first blocks, which decide every
+        worker's hit, and an estimated length) and finishes tokenizing and hashing it while
+        the worker starts. The current attempt's load is rebooked with the exact numbers while
+        it is still prefilling; the predictions, when still to come, use the whole prompt.
+        A closed dispatch keeps what it had (its books are already settled)."""
+        if d.closed:
+            return
+        d.request = request
+        if d.phase == "dispatched" and d.flight is not None and d.decision is not None:
+            decision = d.decision
+            worker = decision.prefill or decision.decode
+            uncached = self.uncached_tokens(
+                request, decision.expected_hit, self.geometry_of(worker)
+            )
+            self.loads.resize(d.flight, uncached, request.prompt_tokens + request.max_tokens)
+
     def first_token(self, d: Dispatch) -> None:
         """The first output token arrived: the prefill load becomes decode load (and
         `on_prefill_done` hears of it when the prefill ran on a prefill worker)."""

@@ -506,6 +506,19 @@ class LoadBook:
         d.streaming[id(f)] = f
         self._changed(f)
 
+    def resize(self, f: Flight, prefill_tokens: int, context_tokens: int) -> None:
+        """A flight still prefilling was booked on an estimate of its prompt (`RoutingCore.
+        amend`): book `prefill_tokens` and `context_tokens` instead. Nothing changes for a
+        flight past its prefill, or one already released."""
+        if f.done or not f.prefilling or f.prefill_released:
+            return
+        p = self._w(f.prefill_worker or f.worker)
+        p.prefill_tokens += prefill_tokens - f.prefill_tokens
+        if f.held:
+            p.held_tokens += prefill_tokens - f.prefill_tokens
+        f.prefill_tokens, f.context_tokens = prefill_tokens, context_tokens
+        self._changed(f)
+
     def finish(self, f: Flight) -> None:
         if f.done:
             return

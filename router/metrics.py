@@ -4,7 +4,9 @@ Counters: `requests_total{api,status}`, `decisions_total{reason}`, `prefix_hits_
 (kind = full | partial | none: hybrid-aware — *partial* means the full-attention blocks were
 resident but the window tail was not), `prefix_hit_tokens_total{kind}`, `shed_total{band,reason}`,
 `pd_fallbacks_total{reason}` (prefill leg failed → another prefill worker or local prefill),
-`retries_total{reason}`, `disaggregated_total`. Gauges: `queue_depth{band}`, `in_flight`,
+`retries_total{reason}`, `disaggregated_total`, `prompt_heads_total` (long new prompts sent
+on their head key, the rest tokenized and hashed after the upstream call: `router/app.py`).
+Gauges: `queue_depth{band}`, `in_flight`,
 `worker_in_flight{worker}`, `worker_prefill_tokens{worker}`, `worker_decode_tokens{worker}`,
 `worker_breaker_open{worker}`, `worker_resting_sessions{worker}` (sessions between turns whose
 next turn is expected back there: `router/load.py`, "Resting sessions"),
@@ -230,6 +232,12 @@ class RouterMetrics:
             "beamserve_router_prefill_lull_spills",
             "Of those, the ones spilled in a lull of new sessions, by the lull's looser rule "
             "(flow.prefill_spill_lull_s).",
+            registry=r,
+        )
+        self.prompt_heads = Counter(
+            "beamserve_router_prompt_heads",
+            "Requests routed on their prompt's first segments (a long prompt that starts a "
+            "session), the rest tokenized and hashed once the request was on its way.",
             registry=r,
         )
         self.disaggregated = Counter(

@@ -92,6 +92,7 @@ class PromptKey:
         "_hasher",
         "_ids",
         "_parts",
+        "_rest",
         "block_hashes",
         "precise",
         "prompt_tokens",
@@ -105,6 +106,7 @@ class PromptKey:
         self._buf: bytes | None = None
         self._hasher: PromptHasher | None = None
         self._by_layout: dict[tuple[int, str], tuple[int, ...]] | None = None
+        self._rest: _Rest | None = None
         self.prompt_tokens = len(self._ids)
         self.block_hashes = block_hashes
         self.precise = precise
@@ -138,6 +140,30 @@ class PromptKey:
             parts = list(self._parts) if self._parts else [self.token_ids]
             out = cache[(bs, scheme)] = hasher.hashes_in(parts, self._buf, bs, scheme)
         return out
+
+    @property
+    def partial(self) -> bool:
+        """A *head* key (`PromptHasher.key(..., head_chars=...)`): its `block_hashes` and token
+        ids cover the prompt's first segments only, and `prompt_tokens` is an estimate of the
+        whole prompt's; `grow` and `complete` go further."""
+        return self._rest is not None
+
+    def grow(self, factor: int = 4) -> PromptKey:
+        """A head `factor` times as long (the whole key once that is half the prompt or
+        more); the whole key of a key that is not partial is itself."""
+        rest, hasher = self._rest, self._hasher
+        if rest is None or hasher is None:
+            return self
+        text, segs, _done, chars = rest
+        return hasher.head_key(text, segs, chars * factor)
+
+    def complete(self) -> PromptKey:
+        """The whole prompt's key (itself when not partial). Tokenizes and hashes only what
+        the head did not (the segment and block caches hold the head's)."""
+        rest, hasher = self._rest, self._hasher
+        if rest is None or hasher is None:
+            return self
+        return hasher.whole_key(rest[1])
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -454,7 +480,9 @@ class PromptHasher:
         return buf if buf is not None else tuple(raw)
 
     def _encode(self, text: str) -> _Tokens:
-        segs = self.split(text)
+        return self._encode_segs(self.split(text))
+
+    def _encode_segs(self, segs: Sequence[str]) -> _Tokens:
         if self.segments.max_bytes <= 0:
             entries = [self._encode_segment(s) for s in segs]
         else:
@@ -478,14 +506,17 @@ class PromptHasher:
             ids = tuple(int(t) for t in prompt)
             buf = _uint32(ids)
             return ([buf] if buf is not None else [ids]), buf
-        if isinstance(prompt, str):
-            text = prompt
-        else:
-            tools: Any = call.body.get("tools")
-            text = self.codec.render(call.messages_for_session, tools)
+        text = self._text(call)
         if limit is not None and (floor := self.token_floor(text)) > limit:
             raise PromptTooLong(floor)
         return self._encode(text)
+
+    def _text(self, call: UpstreamCall) -> str:
+        """The text prompt the worker tokenizes (a chat rendered as the engine renders it)."""
+        if isinstance(call.prompt, str):
+            return call.prompt
+        tools: Any = call.body.get("tools")
+        return self.codec.render(call.messages_for_session, tools)
 
     def token_floor(self, text: str) -> int:
         """A number of tokens `text` has at least, known without tokenizing it: no token of a
@@ -554,13 +585,63 @@ class PromptHasher:
         ids = tuple(int(t) for t in token_ids)
         return self._hashes([ids], _uint32(ids))
 
-    def key(self, call: UpstreamCall, limit: int | None = None) -> PromptKey:
+    def key(
+        self,
+        call: UpstreamCall,
+        limit: int | None = None,
+        *,
+        head_chars: int = 0,
+        max_chars: int | None = None,
+    ) -> PromptKey:
         """The request's prompt key. `limit`: the most tokens it may have; a prompt that has
-        more for sure (`token_floor`) raises `PromptTooLong` before being tokenized."""
+        more for sure (`token_floor`) raises `PromptTooLong` before being tokenized.
+
+        `head_chars` > 0: in approximate mode, a text prompt of more than twice as many
+        characters — and of at most `max_chars` (None: any) — gets a *head* key
+        (`head_key`, `PromptKey.partial`): tokenized and hashed over its first segments only,
+        with `prompt_tokens` estimated. An approximate token is one character or more, so
+        `max_chars` bounds the whole prompt's tokens without counting them."""
+        if head_chars > 0 and not self.precise and not isinstance(call.prompt, list):
+            text = self._text(call)
+            if len(text) > 2 * head_chars and (max_chars is None or len(text) <= max_chars):
+                return self.head_key(text, self.split(text), head_chars)
         parts, buf = self._call_tokens(call, limit)
+        return self._key(parts, buf)
+
+    def _key(self, parts: list[_Part], buf: bytes | None) -> PromptKey:
         key = PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)
         key._hasher, key._buf = self, buf
         return key
+
+    def whole_key(self, segs: Sequence[str]) -> PromptKey:
+        """The key of the text cut into `segs` (`split`)."""
+        parts, buf = self._encode_segs(segs)
+        return self._key(parts, buf)
+
+    def head_key(self, text: str, segs: list[str], head_chars: int) -> PromptKey:
+        """The key of `text` (cut into `segs`) over its shortest run of leading segments of
+        `head_chars` characters or more — tokenization restarts at every cut, so those are
+        exactly the whole prompt's first tokens and blocks — with `prompt_tokens` the head's
+        tokens plus the rest's characters at the head's tokens per character (no more than
+        the characters: an approximate token is one or more). The whole key (`whole_key`)
+        when the head would be half the text or more."""
+        chars = j = 0
+        while j < len(segs) and chars < head_chars:
+            chars += len(segs[j])
+            j += 1
+        if 2 * chars >= len(text):
+            return self.whole_key(segs)
+        parts, buf = self._encode_segs(segs[:j])
+        key = self._key(parts, buf)
+        tokens = key.prompt_tokens
+        key.prompt_tokens = tokens + round((len(text) - chars) * tokens / max(chars, 1))
+        key._rest = (text, segs, j, chars)
+        return key
+
+
+# A head key's way to the rest (`PromptKey.partial`): the prompt's text, its segments, how many
+# of them the head covers and their characters.
+_Rest = tuple[str, list[str], int, int]
 
 
 def _uint32(ids: Sequence[int]) -> bytes | None:

@@ -11,7 +11,8 @@ millisecond take many runs to see. This script looks inside instead. It starts o
 bench's router spec `--router` (its `beamserve router` argv, parsed by the real parser), with
 uvicorn on uvloop and httptools as `beamserve router` serves it. It wraps the dispatch path's
 steps with timestamps: the body read, the parse, the prompt's hashes, admission, the routing
-decision, the upstream call (aiohttp's socket write), the index predictions and the decision's
+decision, the upstream call (aiohttp's socket write), the rest of a prompt routed on its head
+(`--cold`: each request a new session with new text), the index predictions and the decision's
 record, the worker's answer, the first chunk, the response's start, and the first body bytes
 sent to the client. A client process sends `-n` streamed 1-token requests with the same
 `--tokens`-token chat (built as `wire-overhead` builds it), one at a time, 50 ms apart,
@@ -42,13 +43,17 @@ CLIENT = r"""
 import httpx, json, sys, time
 from beamserve.router.bench.agentic import NODELAY
 from beamserve.router.bench.agentic_workload import PromptBuilder, synthetic_prompt
-url, tokens, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-messages = synthetic_prompt(PromptBuilder(64), tokens, "timeline")
-body = json.dumps({"model": "beam", "messages": messages, "max_tokens": 1, "stream": True,
-                   "stream_options": {"include_usage": True}}).encode()
-headers = {"x-session-id": "timeline", "content-type": "application/json"}
+url, tokens, n, cold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+builder = PromptBuilder(64)
+def request(i):
+    name = f"timeline-{i}" if cold else "timeline"
+    messages = synthetic_prompt(builder, tokens, name)
+    body = json.dumps({"model": "beam", "messages": messages, "max_tokens": 1, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    return body, {"x-session-id": name, "content-type": "application/json"}
 with httpx.Client(transport=httpx.HTTPTransport(socket_options=NODELAY), timeout=60) as c:
     for i in range(n + 2):
+        body, headers = request(i)
         first = None
         t0 = time.perf_counter()
         with c.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
@@ -107,7 +112,8 @@ def _probe() -> None:
         return out
 
     app.parse_request = parsed  # type: ignore[assignment]
-    _wrap(app.Router, "route_request", None, "hashed")
+    _wrap(app.Router, "_route_request", None, "hashed")
+    _wrap(app.Router, "_whole_key", None, "rest hashed")
     _wrap(app.Router, "_admit", None, "admitted")
     _wrap(core.RoutingCore, "decide", None, "decided")
     _wrap(app.Router, "_route", None, "routed (booked)")
@@ -139,7 +145,7 @@ class _FirstBody:
         await self.inner(scope, receive, stamped)
 
 
-async def _run(router_name: str, tokens: int, n: int) -> dict[str, list[float]]:
+async def _run(router_name: str, tokens: int, n: int, cold: bool) -> dict[str, list[float]]:
     import uvicorn
     from beamserve.operator.router_config import apply_router_config
     from beamserve.router.bench.agentic_procs import ROUTERS, Procs, start_workers
@@ -167,7 +173,7 @@ async def _run(router_name: str, tokens: int, n: int) -> dict[str, list[float]]:
             await asyncio.sleep(0.01)
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(tokens), str(n),
-            stdout=subprocess.PIPE,
+            "1" if cold else "0", stdout=subprocess.PIPE,
         )  # fmt: skip
         stages: dict[str, list[float]] = {}
         assert client.stdout is not None
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a beamserve router of `beamserve bench agentic --routers`")  # fmt: skip
     p.add_argument("--tokens", type=int, default=100_000)
     p.add_argument("-n", type=int, default=40)
+    p.add_argument("--cold", action="store_true",
+                   help="each request a new session with text never seen before")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     import uvloop
@@ -225,11 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--router {args.router!r}: use one of {', '.join(names)}")
     log.setup(json=True)
     _probe()
-    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n)))
+    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n, args.cold)))
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.router}: {args.tokens:,}-token chat, n={args.n}, median ms")
+    cold = ", cold" if args.cold else ""
+    table = Table(title=f"{args.router}: {args.tokens:,}-token chat{cold}, n={args.n}, median ms")
     for col in ("stage", "since send", "step"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for r in rows:
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     if args.json is not None:
         report = {"command": sys.argv, "router": args.router, "tokens": args.tokens,
-                  "n": args.n, "stages": rows}  # fmt: skip
+                  "n": args.n, "cold": args.cold, "stages": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -4,7 +4,7 @@ outcome reported twice — the books return to zero and each ticket is released 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from beamserve.router.core import Dispatch, RoutingCore
@@ -50,7 +50,7 @@ def request(i: int, prompt: int) -> RouteRequest:
 
 # One outcome step: what a path may report about one dispatch, in any order, any number of times.
 STEP = st.sampled_from(
-    ["first", "retry", "finish", "fail", "refused", "cancel", "close", "prefill", "stale"]
+    ["first", "retry", "finish", "fail", "refused", "cancel", "close", "prefill", "stale", "amend"]
 )
 
 
@@ -72,6 +72,8 @@ def apply(core: RoutingCore, d: Dispatch, step: str, hooks: list) -> None:
         core.fail(d, worker=worker)
     elif step == "refused":
         core.fail(d, answered=True)
+    elif step == "amend":  # the whole prompt turned out another length than its head's estimate
+        core.amend(d, replace(d.request, prompt_tokens=d.request.prompt_tokens * 3 // 2 + 7))
     else:
         getattr(core, step)(d)  # cancel, close
 
@@ -244,4 +246,25 @@ def test_predictions_put_off_at_routing_are_written_once_by_whatever_comes_next(
     core.predict(d)
     core.close(d)
     assert len(calls) == 1  # once
+    books_are_empty(core, BOTH)
+
+
+def test_amend_rebooks_a_prefilling_attempt_and_nothing_after() -> None:
+    """A request routed on its prompt's head (an estimated length) gets its exact numbers
+    booked while it prefills; after its first token, or once closed, the books stay."""
+    core = make_core()
+    d = open_routed(core, BOTH, prompt=5_000)
+    worker = d.decision.decode.id if d.decision else ""
+    assert core.loads.load(worker).prefill_tokens == 5_000
+    core.amend(d, replace(d.request, prompt_tokens=8_000))
+    assert d.request.prompt_tokens == 8_000
+    assert core.loads.load(worker).prefill_tokens == 8_000
+    core.first_token(d)
+    decode = core.loads.load(worker).decode_tokens
+    assert decode == 8_000 + d.request.max_tokens
+    core.amend(d, replace(d.request, prompt_tokens=9_000))
+    assert core.loads.load(worker).decode_tokens == decode
+    core.finish(d, 3)
+    core.amend(d, replace(d.request, prompt_tokens=1))
+    assert d.request.prompt_tokens == 9_000  # closed: kept
     books_are_empty(core, BOTH)

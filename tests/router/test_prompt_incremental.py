@@ -317,3 +317,53 @@ def test_piece_chunks_cut_where_approx_tokenization_restarts(
     h = PromptHasher(None, chunk_chars=size, segment_cache_bytes=1 << 20)
     assert h.encode(text) == tuple(codec.encode(text))
     assert h.encode(text + more) == tuple(codec.encode(text + more))  # from cached chunks
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=_CHUNK_TEXT,
+    head=st.integers(1, 60),
+    size=st.integers(1, 12),
+    scheme=st.sampled_from(["vllm", "sglang"]),
+    bound=st.one_of(st.none(), st.integers(0, 400)),
+)
+def test_a_head_key_is_the_whole_keys_prefix_and_completes_to_it(
+    text: str, head: int, size: int, scheme: str, bound: int | None
+) -> None:
+    """A head key (`head_chars`) holds the whole prompt's first blocks and token ids, estimates
+    a length no larger than the text's characters, is given only to a text of more than twice
+    `head_chars` characters and at most `max_chars`, and both `complete` and repeated `grow`
+    end at exactly the key computed whole."""
+    whole = PromptHasher(None, block_size=4, scheme=scheme, chunk_chars=size).key(completion(text))
+    h = PromptHasher(None, block_size=4, scheme=scheme, chunk_chars=size)
+    key = h.key(completion(text), head_chars=head, max_chars=bound)
+    if len(text) <= 2 * head or (bound is not None and len(text) > bound):
+        assert not key.partial
+    if not key.partial:
+        assert (key.token_ids, key.block_hashes) == (whole.token_ids, whole.block_hashes)
+        return
+    n = len(key.token_ids)
+    assert key.token_ids == whole.token_ids[:n]
+    assert key.block_hashes == whole.block_hashes[: len(key.block_hashes)]
+    assert len(key.block_hashes) == n // 4
+    assert n <= key.prompt_tokens <= len(text)
+    done = key.complete()
+    assert not done.partial
+    assert (done.prompt_tokens, done.token_ids, done.block_hashes) == (
+        whole.prompt_tokens,
+        whole.token_ids,
+        whole.block_hashes,
+    )
+    grown = key
+    while grown.partial:
+        grown = grown.grow(2)
+    assert (grown.token_ids, grown.block_hashes) == (whole.token_ids, whole.block_hashes)
+
+
+def test_head_keys_are_approximate_mode_only(precise: PromptHasher) -> None:
+    """Precise mode counts real tokens for the length check: never a head key."""
+    text = "hello world, " * 400
+    assert not precise.key(completion(text), head_chars=64).partial
+    approx = PromptHasher(None, chunk_chars=64)
+    assert approx.key(completion(text), head_chars=64).partial
+    assert not approx.key(completion([1, 2, 3] * 400), head_chars=4).partial  # token ids

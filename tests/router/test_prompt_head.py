@@ -1,0 +1,72 @@
+"""A long prompt that starts a session goes to its worker on its head key (the first segments,
+which decide every worker's hit) and is tokenized and hashed whole while the worker starts on
+it (`router/app.py`, `HEAD_CHARS`). Over real HTTP, `beamserve router` in approximate mode in
+front of a sim worker that publishes no KV events, so every hit the router sees comes from its
+own predictions: the next turn must find the *whole* first prompt predicted, the session bound,
+and the books back at zero — as when the prompt was hashed whole before the call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import SpawnWorker, WorkerProc
+from tests.router.test_router_e2e import metric, route_of
+
+BLOCK = 64  # the router's default block size (approximate mode)
+
+
+def _text(session: str, words: int) -> str:
+    return "".join(f"{session}{i:05d} " for i in range(words))  # 2 pseudo-tokens a word
+
+
+@pytest.fixture
+def router(spawn_worker: SpawnWorker) -> WorkerProc:
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    spec = [{"url": w.url, "role": "both", "engine": "sim"}]
+    return spawn_worker("--endpoints", json.dumps(spec), command="router")
+
+
+def _turn(router: WorkerProc, session: str, msgs: list[dict[str, Any]], stream: bool) -> dict:
+    body = {"model": "beam", "messages": msgs, "max_tokens": 3, "stream": stream}
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body,
+        headers={"x-session-id": session}, timeout=60,
+    ) as r:  # fmt: skip
+        text = r.read().decode()
+        assert r.status_code == 200, text
+        return route_of(r.headers)
+
+
+def _hit_blocks(route: dict[str, str]) -> tuple[int, int]:
+    _kind, _, rest = route["hit"].partition(":")  # "full:250/260 blocks"
+    held, _, of = rest.split()[0].partition("/")
+    return int(held), int(of)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_new_long_prompt_routed_on_its_head_is_predicted_and_bound_whole(
+    router: WorkerProc, stream: bool
+) -> None:
+    words = 6_000  # 6,000 × 8 characters ≈ 48K: more than twice `HEAD_CHARS`
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": _text("a", words)}]
+    first = _turn(router, "s-head", msgs, stream)
+    assert first["band"] == "new"
+    _, first_blocks = _hit_blocks(first)  # the whole prompt's blocks, amended before the answer
+    assert first_blocks >= 2 * words // BLOCK
+    assert metric(router.url, "beamserve_router_prompt_heads_total") == 1
+    msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+    second = _turn(router, "s-head", msgs, stream)
+    held, _ = _hit_blocks(second)
+    assert second["band"] == "continuing"
+    # Only the router's predictions can give this hit: the whole first prompt, not its head.
+    assert held >= first_blocks - 1, (first, second)
+    assert metric(router.url, "beamserve_router_prompt_heads_total") == 1  # on record: whole
+    for name in ("worker_in_flight", "worker_prefill_tokens", "worker_decode_tokens"):
+        assert metric(router.url, f"beamserve_router_{name}") == 0, name
+    # Short prompts are hashed whole before the call, as always.
+    _turn(router, "s-short", [{"role": "user", "content": _text("b", 500)}], stream)
+    assert metric(router.url, "beamserve_router_prompt_heads_total") == 1
