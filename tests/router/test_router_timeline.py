@@ -37,6 +37,25 @@ def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path
     assert at["first chunk"] > at["predicted"]
 
 
+def test_a_new_long_prompt_is_hashed_whole_only_after_it_went_out(tmp_path: Path) -> None:
+    """`--cold`: each request starts a session with text never seen (24K characters, more than
+    twice `HEAD_CHARS`): it goes out on its head, and its rest is tokenized and hashed after the
+    socket write, before the worker's answer is handled."""
+    out = tmp_path / "timeline.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tokens", "8000", "-n", "3", "--cold", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["cold"] is True
+    at = {r["stage"]: i for i, r in enumerate(report["stages"])}
+    assert at["hashed"] < at["upstream call"] < at["written"] < at["rest hashed"]
+    assert at["rest hashed"] < at["predicted"] < at["first chunk"]
+
+
 def test_only_a_beamserve_router_can_be_looked_inside() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--router", "smg-cache_aware"],
