@@ -374,7 +374,7 @@ class Router:
         call = to_upstream(parsed)
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        rreq, record, prompt = await self._route_request(
+        rreq, record, prompt = await self.route_request(
             call,
             headers,
             key,
@@ -429,30 +429,16 @@ class Router:
         model: str = "",
         body_bytes: int = 0,
         client: str | None = None,
-    ) -> tuple[RouteRequest, SessionRecord | None]:
-        """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
-        its tenant and session (`tenant_and_session`), the prompt's token count and block
-        hashes, its band, and the session's record. `headers` have lower-case names.
-        `body_bytes`: the request body's size (large ones are hashed off the event loop).
-        `client`: the caller's address (the fairness tenant of anonymous callers)."""
-        rreq, record, _prompt = await self._route_request(
-            call, headers, key, model, body_bytes, client
-        )
-        return rreq, record
-
-    async def _route_request(
-        self,
-        call: UpstreamCall,
-        headers: Mapping[str, str],
-        key: KeyPolicy = ANONYMOUS,
-        model: str = "",
-        body_bytes: int = 0,
-        client: str | None = None,
         head: bool = False,
     ) -> tuple[RouteRequest, SessionRecord | None, PromptKey]:
-        """`route_request`, and the prompt's key. `head`: the key may be a head key
-        (`HEAD_CHARS`; the caller finishes it, `_settle`) — for a prompt that starts a session
-        (none on record), in one KV geometry, provably within the length limit."""
+        """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
+        its tenant and session (`tenant_and_session`), the prompt's token count and block
+        hashes, its band, and the session's record; and the prompt's key. `headers` have
+        lower-case names. `body_bytes`: the request body's size (large ones are hashed off the
+        event loop). `client`: the caller's address (the fairness tenant of anonymous callers).
+        `head`: the key may be a head key (`HEAD_CHARS`; the caller finishes it, `_settle`) —
+        for a prompt that starts a session (none on record), in one KV geometry, provably
+        within the length limit."""
         limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
         head_chars, max_chars = self._head_limits(call, limit) if head else (0, None)
         raw_id, prompt = await _off_loop(

@@ -449,7 +449,7 @@ class GrpcGlue:
         router = self.rt.router
         try:
             key = router.authenticate(hdrs)
-            rreq, record = await router.route_request(
+            rreq, record, _key = await router.route_request(
                 call, hdrs, key, body_bytes=len(body), client=gateway_client(hdrs)
             )
             router.check_length(rreq, call)

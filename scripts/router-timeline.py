@@ -112,10 +112,8 @@ def _probe() -> None:
         return out
 
     app.parse_request = parsed  # type: ignore[assignment]
-    # (an older tree, through PYTHONPATH, may lack the head keys' steps)
-    routing = "_route_request" if hasattr(app.Router, "_route_request") else "route_request"
-    _wrap(app.Router, routing, None, "hashed")
-    if hasattr(app.Router, "_whole_key"):
+    _wrap(app.Router, "route_request", None, "hashed")
+    if hasattr(app.Router, "_whole_key"):  # (not in a tree older than the head keys)
         _wrap(app.Router, "_whole_key", None, "rest hashed")
     _wrap(app.Router, "_admit", None, "admitted")
     _wrap(core.RoutingCore, "decide", None, "decided")

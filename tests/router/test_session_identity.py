@@ -399,7 +399,7 @@ def test_through_the_router_a_sub_agent_call_of_a_live_session(
             body = {"model": "beam", "messages": main_turn, "max_tokens": 2}
             r = await c.post("/v1/chat/completions", headers=sid, json=body)
             assert r.status_code == 200, r.text
-            rreq, record = await rt.router.route_request(_call(sub_call), sid)
+            rreq, record, _key = await rt.router.route_request(_call(sub_call), sid)
             assert record is not None and record.tip  # the first turn was bound
             return rreq.band
 
