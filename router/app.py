@@ -444,14 +444,13 @@ class Router:
         raw_id, prompt = await _off_loop(
             body_bytes, self._prompt_facts, call, headers, limit, head_chars, max_chars
         )
-        if prompt.partial and not self._one_geometry():
+        tenant, session_id = tenant_and_session(key, raw_id, client)
+        record = await self.sessions.get(session_id)
+        # a session on record has its tip matched whole; other geometries hash it whole
+        if prompt.partial and (record is not None or not self._one_geometry()):
             prompt = await _off_loop(body_bytes, prompt.complete)
         while prompt.partial and not self._head_decides(prompt):
             prompt = await _off_loop(body_bytes, prompt.grow)
-        tenant, session_id = tenant_and_session(key, raw_id, client)
-        record = await self.sessions.get(session_id)
-        if prompt.partial and record is not None:  # the session's tip is matched whole
-            prompt = await _off_loop(body_bytes, prompt.complete)
         band = band_of(key, headers, record, call, prompt.block_hashes, self._live_session_s)
         resumed = 0
         if (
@@ -643,11 +642,11 @@ class Router:
             if pending:
                 pending = False
                 tail = turn.tail
-                if tail is not None and not (tail.task is not None and tail.task.done()):
+                if tail is None or (tail.task is not None and tail.task.done()):
+                    record()
+                else:
                     task = asyncio.ensure_future(settle_then_record())
                     task.add_done_callback(_discard_result)
-                else:
-                    record()
 
         return done
 

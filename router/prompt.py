@@ -154,8 +154,8 @@ class PromptKey:
         rest, hasher = self._rest, self._hasher
         if rest is None or hasher is None:
             return self
-        text, segs, _done, chars = rest
-        return hasher.head_key(text, segs, chars * factor)
+        segs, chars = rest
+        return hasher.head_key(segs, chars * factor)
 
     def complete(self) -> PromptKey:
         """The whole prompt's key (itself when not partial). Tokenizes and hashes only what
@@ -163,7 +163,7 @@ class PromptKey:
         rest, hasher = self._rest, self._hasher
         if rest is None or hasher is None:
             return self
-        return hasher.whole_key(rest[1])
+        return hasher.whole_key(rest[0])
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -604,7 +604,7 @@ class PromptHasher:
         if head_chars > 0 and not self.precise and not isinstance(call.prompt, list):
             text = self._text(call)
             if len(text) > 2 * head_chars and (max_chars is None or len(text) <= max_chars):
-                return self.head_key(text, self.split(text), head_chars)
+                return self.head_key(self.split(text), head_chars)
         parts, buf = self._call_tokens(call, limit)
         return self._key(parts, buf)
 
@@ -618,30 +618,31 @@ class PromptHasher:
         parts, buf = self._encode_segs(segs)
         return self._key(parts, buf)
 
-    def head_key(self, text: str, segs: list[str], head_chars: int) -> PromptKey:
-        """The key of `text` (cut into `segs`) over its shortest run of leading segments of
-        `head_chars` characters or more — tokenization restarts at every cut, so those are
-        exactly the whole prompt's first tokens and blocks — with `prompt_tokens` the head's
-        tokens plus the rest's characters at the head's tokens per character (no more than
-        the characters: an approximate token is one or more). The whole key (`whole_key`)
-        when the head would be half the text or more."""
+    def head_key(self, segs: list[str], head_chars: int) -> PromptKey:
+        """The key of the text cut into `segs` (`split`) over its shortest run of leading
+        segments of `head_chars` characters or more — tokenization restarts at every cut, so
+        those are exactly the whole prompt's first tokens and blocks — with `prompt_tokens`
+        the head's tokens plus the rest's characters at the head's tokens per character (no
+        more than the characters: an approximate token is one or more). The whole key
+        (`whole_key`) when the head would be half the text or more."""
+        total = sum(map(len, segs))
         chars = j = 0
         while j < len(segs) and chars < head_chars:
             chars += len(segs[j])
             j += 1
-        if 2 * chars >= len(text):
+        if 2 * chars >= total:
             return self.whole_key(segs)
         parts, buf = self._encode_segs(segs[:j])
         key = self._key(parts, buf)
         tokens = key.prompt_tokens
-        key.prompt_tokens = tokens + round((len(text) - chars) * tokens / max(chars, 1))
-        key._rest = (text, segs, j, chars)
+        key.prompt_tokens = tokens + round((total - chars) * tokens / max(chars, 1))
+        key._rest = (segs, chars)
         return key
 
 
-# A head key's way to the rest (`PromptKey.partial`): the prompt's text, its segments, how many
-# of them the head covers and their characters.
-_Rest = tuple[str, list[str], int, int]
+# A head key's way to the rest (`PromptKey.partial`): the prompt's segments, and the characters
+# of those the head covers.
+_Rest = tuple[list[str], int]
 
 
 def _uint32(ids: Sequence[int]) -> bytes | None:
