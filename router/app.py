@@ -440,15 +440,14 @@ class Router:
         for a prompt that starts a session (none on record), in one KV geometry, provably
         within the length limit."""
         limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
-        head_chars, max_chars = self._head_limits(call, limit) if head else (0, None)
-        raw_id, prompt = await _off_loop(
-            body_bytes, self._prompt_facts, call, headers, limit, head_chars, max_chars
-        )
+        raw_id = await _off_loop(body_bytes, _session_of, call, headers)
         tenant, session_id = tenant_and_session(key, raw_id, client)
         record = await self.sessions.get(session_id)
-        # a session on record has its tip matched whole; other geometries hash it whole
-        if prompt.partial and (record is not None or not self._one_geometry()):
-            prompt = await _off_loop(body_bytes, prompt.complete)
+        # The record first: a session on record has its tip matched whole, and so do prompts
+        # in a pool of several geometries — no head to compute and throw away.
+        head = head and record is None and self._one_geometry()
+        head_chars, max_chars = self._head_limits(call, limit) if head else (0, None)
+        prompt = await _off_loop(body_bytes, self._prompt_key, call, limit, head_chars, max_chars)
         while prompt.partial and not self._head_decides(prompt):
             prompt = await _off_loop(body_bytes, prompt.grow)
         band = band_of(key, headers, record, call, prompt.block_hashes, self._live_session_s)
@@ -475,21 +474,15 @@ class Router:
         )
         return rreq, record, prompt
 
-    def _prompt_facts(
+    def _prompt_key(
         self,
         call: UpstreamCall,
-        headers: Mapping[str, str],
         limit: int | None,
         head_chars: int = 0,
         max_chars: int | None = None,
-    ) -> tuple[str, PromptKey]:
-        session_id, _source = session_id_from(
-            headers, call.messages_for_session or call.prompt or ""
-        )
+    ) -> PromptKey:
         try:
-            return session_id, self.hasher.key(
-                call, limit, head_chars=head_chars, max_chars=max_chars
-            )
+            return self.hasher.key(call, limit, head_chars=head_chars, max_chars=max_chars)
         except PromptTooLong as exc:  # refused without tokenizing all of it
             raise _too_long(exc.floor, call, limit or 0, at_least=True) from exc
 
@@ -938,20 +931,42 @@ def band_of(
 
 
 async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
-    """Await `aw`, but cancel it (and raise) if the client goes away meanwhile."""
-    task = asyncio.ensure_future(aw)
-    try:
+    """Await `aw` in this task, but cancel it (and raise a 499) if the client goes away
+    meanwhile. A watcher task polls the connection every `DISCONNECT_POLL_S`; `aw` itself runs
+    inline, so a request that goes straight through pays no hand-off to another task and back
+    (two turns of the event loop each, on the way to the worker and on the way back)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
+            await asyncio.sleep(DISCONNECT_POLL_S)
             if await request.is_disconnected():
-                task.cancel()
-                raise api_errors.APIError(499, "client closed the request", "api_error")
+                gone = True
+                task.cancel()  # lands at `aw`'s await: this task is suspended there
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:  # the watcher's cancel, not the caller's
+            raise api_errors.APIError(499, "client closed the request", "api_error") from None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(_discard_result)
+        watcher.cancel()
+
+
+# How often `unless_disconnected` looks for a client that went away.
+DISCONNECT_POLL_S = 0.25
+
+
+def _session_of(call: UpstreamCall, headers: Mapping[str, str]) -> str:
+    """The request's session id as the client gave it (a header) or as its conversation's
+    opening gives it (`session_id_from`)."""
+    return session_id_from(headers, call.messages_for_session or call.prompt or "")[0]
 
 
 def _discard_result(task: asyncio.Future[Any]) -> None:

@@ -70,3 +70,55 @@ def test_a_new_long_prompt_routed_on_its_head_is_predicted_and_bound_whole(
     # Short prompts are hashed whole before the call, as always.
     _turn(router, "s-short", [{"role": "user", "content": _text("b", 500)}], stream)
     assert metric(router.url, "beamserve_router_prompt_heads_total") == 1
+
+
+def test_a_turn_of_a_session_on_record_is_keyed_whole_without_a_head(
+    spawn_worker: SpawnWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's record is read before the prompt is keyed: a long prompt of a session on
+    record is hashed whole at once (its tip is matched whole), with no head computed first;
+    a long prompt that starts a session gets its head."""
+    import asyncio
+
+    from beamserve.router.api.convert import to_upstream
+    from beamserve.router.api.models import parse_request
+    from beamserve.router.prompt import PromptHasher
+
+    from tests.router.test_pace_hold import router_over
+    from tests.router.test_router_flow import serving
+
+    heads: list[int] = []
+    head_key = PromptHasher.head_key
+
+    def counted(self: PromptHasher, segs: list[str], head_chars: int) -> Any:
+        heads.append(head_chars)
+        return head_key(self, segs, head_chars)
+
+    monkeypatch.setattr(PromptHasher, "head_key", counted)
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, _ = router_over(w.url)
+    first = [{"role": "user", "content": _text("r", 6_000)}]
+    later = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+
+    def call(msgs: list[dict[str, Any]]) -> Any:
+        body = json.dumps({"model": "beam", "messages": msgs, "max_tokens": 2}).encode()
+        return to_upstream(parse_request("chat", body, 1 << 24))
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            body = {"model": "beam", "messages": first, "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", headers={"x-session-id": "rec"}, json=body)
+            assert r.status_code == 200, r.text
+            assert heads == [8_192]  # the session's first turn went on its head
+            rreq, record, key = await rt.router.route_request(
+                call(later), {"x-session-id": "rec"}, head=True
+            )
+            assert record is not None and rreq.band == "continuing"
+            assert heads == [8_192] and not key.partial  # whole at once: no head
+            fresh = [{"role": "user", "content": _text("n", 6_000)}]  # held nowhere
+            _, none, key = await rt.router.route_request(
+                call(fresh), {"x-session-id": "new"}, head=True
+            )
+            assert none is None and key.partial and heads == [8_192, 8_192]
+
+    asyncio.run(main())
