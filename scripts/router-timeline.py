@@ -2,7 +2,7 @@
 """Where a long prompt's time goes inside the router: one request at a time, stage by stage.
 
     .venv/bin/python scripts/router-timeline.py [--router beamserve-adaptive-spill]
-        [--tokens 100000] [-n 40] [--json FILE]
+        [--tokens 100000] [-n 40] [--cold | --grow] [--max-tokens 1] [--json FILE]
 
 `beamserve bench wire-overhead` measures what a router adds to TTFT over a direct call, but a
 sim worker's own TTFT varies by ±5–10 ms from one request to the next, so differences under a
@@ -13,12 +13,15 @@ uvicorn on uvloop and httptools as `beamserve router` serves it. It wraps the di
 steps with timestamps: the body read, the parse, the prompt's hashes, admission, the routing
 decision, the upstream call (aiohttp's socket write), the rest of a prompt routed on its head
 (`--cold`: each request a new session with new text), the index predictions and the decision's
-record, the worker's answer, the first chunk, the response's start, and the first body bytes
-sent to the client. A client process sends `-n` streamed 1-token requests with the same
-`--tokens`-token chat (built as `wire-overhead` builds it), one at a time, 50 ms apart,
-after two warm-up requests. The two processes share `time.perf_counter` (CLOCK_MONOTONIC),
-so every stage is timed from the client's send. Printed (and written with `--json`): each
-stage's median time since the send and since the stage before it, in the order they happen.
+record, the worker's answer, the first chunk, the response's start, the first body bytes
+sent to the client and the response's end. A client process sends `-n` streamed requests of
+`--max-tokens` (1) with the same `--tokens`-token chat (built as `wire-overhead` builds it) —
+or, with `--grow`, one conversation that grows by a short reply and a new user message each
+request (a session's continuing turns) — one at a time, 50 ms apart, after two warm-up
+requests; it stops reading at `[DONE]`, as the bench's client does. The two processes share
+`time.perf_counter` (CLOCK_MONOTONIC), so every stage is timed from the client's send (the
+client's first token and `[DONE]` included). Printed (and written with `--json`): each stage's
+median time since the send and since the stage before it, in the order they happen.
 
 The wrappers cost a few microseconds a stage. A stage that runs off the path to the worker
 (the predictions, after the upstream write) shows where it lands.
@@ -43,24 +46,36 @@ CLIENT = r"""
 import httpx, json, sys, time
 from beamserve.router.bench.agentic import NODELAY
 from beamserve.router.bench.agentic_workload import PromptBuilder, synthetic_prompt
-url, tokens, n, cold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+url, tokens, n, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+max_tokens = int(sys.argv[5])
 builder = PromptBuilder(64)
+grown = synthetic_prompt(builder, tokens, "timeline")
 def request(i):
-    name = f"timeline-{i}" if cold else "timeline"
-    messages = synthetic_prompt(builder, tokens, name)
-    body = json.dumps({"model": "beam", "messages": messages, "max_tokens": 1, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+    global grown
+    name = f"timeline-{i}" if mode == "cold" else "timeline"
+    if mode == "grow":  # the next turn of one conversation: a reply and a new user message
+        grown = grown + [{"role": "assistant", "content": f"done with step {i}"},
+                         {"role": "user", "content": f"now step {i + 1}, and check the tests"}]
+        messages = grown
+    else:
+        messages = synthetic_prompt(builder, tokens, name)
+    body = json.dumps({"model": "beam", "messages": messages, "max_tokens": max_tokens,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     return body, {"x-session-id": name, "content-type": "application/json"}
 with httpx.Client(transport=httpx.HTTPTransport(socket_options=NODELAY), timeout=60) as c:
     for i in range(n + 2):
         body, headers = request(i)
-        first = None
+        first = done = None
         t0 = time.perf_counter()
         with c.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
             for line in r.iter_lines():
                 if first is None and line.startswith("data:") and '"content":"' in line:
                     first = time.perf_counter()
-        print(json.dumps({"i": i, "send": t0, "first": first, "status": r.status_code}), flush=True)
+                if line.startswith("data: [DONE]"):
+                    done = time.perf_counter()
+                    break
+        print(json.dumps({"i": i, "send": t0, "first": first, "done": done,
+                          "status": r.status_code}), flush=True)
         time.sleep(0.05)
 """
 
@@ -142,11 +157,15 @@ class _FirstBody:
             if msg["type"] == "http.response.body" and msg.get("body") and first:
                 first = False
                 _mark("first bytes sent")
+            if msg["type"] == "http.response.body" and not msg.get("more_body"):
+                _mark("response ended")
 
         await self.inner(scope, receive, stamped)
 
 
-async def _run(router_name: str, tokens: int, n: int, cold: bool) -> dict[str, list[float]]:
+async def _run(
+    router_name: str, tokens: int, n: int, mode: str, max_tokens: int
+) -> dict[str, list[float]]:
     import uvicorn
     from beamserve.operator.router_config import apply_router_config
     from beamserve.router.bench.agentic_procs import ROUTERS, Procs, start_workers
@@ -174,7 +193,7 @@ async def _run(router_name: str, tokens: int, n: int, cold: bool) -> dict[str, l
             await asyncio.sleep(0.01)
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(tokens), str(n),
-            "1" if cold else "0", stdout=subprocess.PIPE,
+            mode, str(max_tokens), stdout=subprocess.PIPE,
         )  # fmt: skip
         stages: dict[str, list[float]] = {}
         assert client.stdout is not None
@@ -192,6 +211,8 @@ async def _run(router_name: str, tokens: int, n: int, cold: bool) -> dict[str, l
             stages.setdefault("client's first token", []).append(
                 (sent["first"] - sent["send"]) * 1e3
             )
+            if sent["done"] is not None:
+                stages.setdefault("client's [DONE]", []).append((sent["done"] - sent["send"]) * 1e3)
         await client.wait()
         server.should_exit = True
         await serving
@@ -222,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=40)
     p.add_argument("--cold", action="store_true",
                    help="each request a new session with text never seen before")  # fmt: skip
+    p.add_argument(
+        "--grow",
+        action="store_true",
+        help="each request the next turn of one conversation (a continuing turn)",
+    )
+    p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     import uvloop
@@ -234,12 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--router {args.router!r}: use one of {', '.join(names)}")
     log.setup(json=True)
     _probe()
-    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n, args.cold)))
+    if args.cold and args.grow:
+        p.error("--cold and --grow: give one")
+    mode = "cold" if args.cold else "grow" if args.grow else "warm"
+    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n, mode, args.max_tokens)))
     from rich.console import Console
     from rich.table import Table
 
-    cold = ", cold" if args.cold else ""
-    table = Table(title=f"{args.router}: {args.tokens:,}-token chat{cold}, n={args.n}, median ms")
+    table = Table(
+        title=f"{args.router}: {args.tokens:,}-token chat, {mode}, "
+        f"max_tokens {args.max_tokens}, n={args.n}, median ms"
+    )
     for col in ("stage", "since send", "step"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for r in rows:
@@ -247,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     if args.json is not None:
         report = {"command": sys.argv, "router": args.router, "tokens": args.tokens,
-                  "n": args.n, "cold": args.cold, "stages": rows}  # fmt: skip
+                  "n": args.n, "cold": args.cold, "mode": mode, "max_tokens": args.max_tokens,
+                  "stages": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -66,3 +66,30 @@ def test_only_a_beamserve_router_can_be_looked_inside() -> None:
     assert run.returncode == 2
     assert "--router 'smg-cache_aware': use one of" in run.stderr
     assert "beamserve-adaptive-spill" in run.stderr
+
+
+def test_a_growing_conversation_is_keyed_whole_before_it_goes_out(tmp_path: Path) -> None:
+    """`--grow`: one session's continuing turns (its record read first): each is keyed whole
+    before the call — no rest to hash after it — and the client's `[DONE]` is timed."""
+    out = tmp_path / "timeline.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tokens", "8000", "-n", "3", "--grow", "--max-tokens", "4",
+         "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "grow" and report["max_tokens"] == 4
+    at = {r["stage"]: i for i, r in enumerate(report["stages"])}
+    assert "rest hashed" not in at  # (the first turn, a warm-up, went on its head)
+    assert at["hashed"] < at["upstream call"] < at["client's first token"] < at["client's [DONE]"]
+
+
+def test_cold_and_grow_are_one_or_the_other() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cold", "--grow"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--cold and --grow: give one" in run.stderr

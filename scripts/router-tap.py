@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""What each router adds to one agent's turn, seen from a tap in front of its worker.
+
+    .venv/bin/python scripts/router-tap.py [--routers A,B,...] [--tokens 20000] [-n 30]
+        [--max-tokens 64] [--json FILE]
+
+At one agent, a router's throughput is the sum of its turns' lengths, and a turn through a
+router is: the client's request reaching the worker whole, the worker's own time, and the
+worker's `[DONE]` reaching the client. `wire-overhead` compares TTFT through a router with a
+direct call, but a sim worker's own time moves by ±5–10 ms from one request to the next, more
+than what routers differ by. This script takes the worker's time out: for each router it starts
+one fresh sim worker (as the bench does: KV events on) behind a *tap*, a TCP relay in its own
+process that stamps every read in each direction with `time.perf_counter` (CLOCK_MONOTONIC,
+shared with the client process), and puts the router in front of the tap. A client then plays
+one conversation: a `--tokens`-token chat followed by `-n` continuing turns (each a short
+reply and a new user message, as an agent's turns mostly are), streamed, `--max-tokens` each,
+the bench's client (`send_turn`: TCP_NODELAY, it stops reading at `[DONE]`).
+
+Per request (medians over the turns after the first two), ms:
+- **to worker**: from the client's send to the request's last byte read at the tap — the
+  router's whole request path (body intake, parse, key, decision, upstream write);
+- **worker**: from there to the tap's read of the `[DONE]` event (the worker's own time);
+- **back**: from the `[DONE]` at the tap to the client's reading it (the relay of the last
+  event);
+- **turn**: the client's send to its `[DONE]` — what one agent's run adds up.
+
+`direct` in `--routers` is the worker through the tap alone (no router). The tap costs the
+same on every path; its own relay is in every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TAP = r"""
+import asyncio, json, socket, sys, time
+import uvloop
+listen, target, log_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+host, port = target.rsplit(":", 1)
+log = open(log_path, "w", buffering=1)
+conns = 0
+async def relay(r, w, tag, c):
+    while data := await r.read(1 << 20):
+        log.write(json.dumps([c, tag, time.perf_counter(), len(data), data[:8].decode("latin1"),
+                              b"[DONE]" in data]) + "\n")
+        w.write(data)
+        await w.drain()
+    w.close()
+async def serve(cr, cw):
+    global conns
+    conns += 1
+    sr, sw = await asyncio.open_connection(host, int(port))
+    for w in (cw, sw):
+        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await asyncio.gather(relay(cr, sw, "req", conns), relay(sr, cw, "resp", conns),
+                         return_exceptions=True)
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", listen)
+    print(json.dumps({"url": f"http://127.0.0.1:{listen}"}), flush=True)
+    await server.serve_forever()
+uvloop.run(main())
+"""
+
+
+@dataclasses.dataclass
+class Turn:
+    send: float
+    done: float
+
+
+async def _play(url: str, tokens: int, n: int, max_tokens: int, name: str) -> list[Turn]:
+    import httpx
+    from beamserve.router.bench.agentic import NODELAY
+    from beamserve.router.bench.agentic_workload import PromptBuilder, synthetic_prompt
+
+    messages = synthetic_prompt(PromptBuilder(64), tokens, name)
+    turns: list[Turn] = []
+    transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
+    async with httpx.AsyncClient(transport=transport, timeout=120) as client:
+        for i in range(n + 2):
+            reply = {"role": "assistant", "content": f"done with step {i}"}
+            ask = {"role": "user", "content": f"now step {i + 1}, and run the tests"}
+            messages = [*messages, reply, ask]
+            body = {"model": "beam", "messages": messages, "max_tokens": max_tokens,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            t0 = time.perf_counter()
+            done = None
+            async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                                     headers={"x-session-id": name}) as r:  # fmt: skip
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() == "[DONE]":
+                        done = time.perf_counter()
+                        break
+            if done is None:
+                raise RuntimeError(f"{url}: a stream without [DONE]")
+            turns.append(Turn(t0, done))
+            await asyncio.sleep(0.03)
+    return turns[2:]
+
+
+def _requests(log_path: Path) -> list[dict[str, float]]:
+    """The tap's POSTs in order: last request byte, and the read with `[DONE]`."""
+    out: list[dict[str, float]] = []
+    current: dict[int, dict[str, float]] = {}
+    for line in log_path.read_text().splitlines():
+        conn, tag, t, _n, head, done = json.loads(line)
+        if tag == "req":
+            if head.split(" ")[0] in ("GET", "POST", "PUT", "HEAD", "DELETE"):
+                current[conn] = {"post": float(head.startswith("POST")), "last": t}
+                out.append(current[conn])
+            elif conn in current:
+                current[conn]["last"] = t
+        elif done and conn in current and "done" not in current[conn]:
+            current[conn]["done"] = t
+    return [r for r in out if r["post"] and "done" in r]
+
+
+def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
+    from beamserve.router.bench.agentic_procs import (
+        ROUTERS,
+        Procs,
+        free_port,
+        start_router,
+        start_workers,
+    )
+
+    with Procs() as procs:
+        worker = start_workers(procs, 1, "h200-bf16-tp8")[0]
+        port = free_port()
+        log_path = procs.log_dir / "tap.jsonl"
+        tap = procs.start("tap", [sys.executable, "-c", TAP, str(port),
+                                  worker.url.split("://", 1)[1], str(log_path)])  # fmt: skip
+        tap.ready_line(30)
+        tapped = dataclasses.replace(worker, url=f"http://127.0.0.1:{port}")
+        url = tapped.url if name == "direct" else start_router(procs, ROUTERS[name], [tapped]).url
+        turns = asyncio.run(_play(url, tokens, n, max_tokens, f"tap-{name}"))
+        reqs = _requests(log_path)[-len(turns) :]
+    to_worker = [(r["last"] - t.send) * 1e3 for t, r in zip(turns, reqs, strict=True)]
+    worker_ms = [(r["done"] - r["last"]) * 1e3 for r in reqs]
+    back = [(t.done - r["done"]) * 1e3 for t, r in zip(turns, reqs, strict=True)]
+    turn = [(t.done - t.send) * 1e3 for t in turns]
+    med = statistics.median
+    return {"router": name, "n": len(turns), "to_worker_ms": round(med(to_worker), 3),
+            "worker_ms": round(med(worker_ms), 3), "back_ms": round(med(back), 3),
+            "turn_ms": round(med(turn), 3),
+            "router_ms": round(med(to_worker) + med(back), 3)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--routers", default="direct,beamserve-adaptive-spill,"
+                   "vllm-router-sticky_least_loaded,sglang-router-cache_aware",
+                   help="bench routers (`bench agentic --routers`) and `direct`")  # fmt: skip
+    p.add_argument("--tokens", type=int, default=20_000, help="the conversation's first prompt")
+    p.add_argument("-n", type=int, default=30, help="continuing turns measured")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="the routers in turn, this many times")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    from beamserve.router.bench.agentic_procs import ROUTERS
+    from rich.console import Console
+    from rich.table import Table
+
+    names = [r for r in args.routers.split(",") if r]
+    unknown = [r for r in names if r != "direct" and r not in ROUTERS]
+    if unknown:
+        p.error(f"--routers: unknown {unknown}; use `direct` or one of {', '.join(ROUTERS)}")
+    rows = []
+    for rnd in range(args.rounds):
+        for name in names:
+            row = _measure(name, args.tokens, args.n, args.max_tokens)
+            rows.append({**row, "round": rnd})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    table = Table(title=f"one agent, {args.tokens:,}-token chat + {args.n} continuing turns, "
+                        f"max_tokens {args.max_tokens}: median ms")  # fmt: skip
+    for col in ("router", "round", "to worker", "worker", "back", "router's part", "turn"):
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for r in rows:
+        table.add_row(r["router"], str(r["round"]), f"{r['to_worker_ms']:.2f}",
+                      f"{r['worker_ms']:.2f}", f"{r['back_ms']:.2f}", f"{r['router_ms']:.2f}",
+                      f"{r['turn_ms']:.2f}")  # fmt: skip
+    Console().print(table)
+    if args.json is not None:
+        report = {"command": sys.argv, "tokens": args.tokens, "n": args.n,
+                  "max_tokens": args.max_tokens, "rows": rows}  # fmt: skip
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

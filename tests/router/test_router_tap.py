@@ -1,0 +1,46 @@
+"""`scripts/router-tap.py`: what a router adds to one agent's turn, timed at a TCP tap in front
+of its worker (a sim worker process, the tap's process, the router's, and the client in the
+script). The tap sees every request the worker gets: the turns it reports are the client's,
+in order, and each turn splits into the way to the worker, the worker's own time and the way
+back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "router-tap.py"
+
+
+def test_each_turn_splits_at_the_tap(tmp_path: Path) -> None:
+    out = tmp_path / "tap.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--routers", "direct,beamserve-adaptive-spill",
+         "--tokens", "3000", "-n", "4", "--max-tokens", "8", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {r["router"]: r for r in report["rows"]}
+    assert set(rows) == {"direct", "beamserve-adaptive-spill"}
+    for r in rows.values():
+        assert r["n"] == 4
+        assert 0 < r["to_worker_ms"] < r["turn_ms"] and 0 < r["back_ms"] < r["turn_ms"]
+        assert r["worker_ms"] > 0
+        assert abs(r["router_ms"] - (r["to_worker_ms"] + r["back_ms"])) < 0.002
+    # one more hop: the router's request path comes on top of the tap's
+    assert rows["beamserve-adaptive-spill"]["to_worker_ms"] > rows["direct"]["to_worker_ms"]
+
+
+def test_unknown_routers_are_named() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--routers", "direct,nginx"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "unknown ['nginx']" in run.stderr
