@@ -6,25 +6,18 @@ back."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.router.test_router_timeline import report_of
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "router-tap.py"
 
 
 def test_each_turn_splits_at_the_tap(tmp_path: Path) -> None:
-    out = tmp_path / "tap.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--routers", "direct,beamserve-adaptive-spill",
-         "--tokens", "3000", "-n", "4", "--max-tokens", "8", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = report_of(SCRIPT, tmp_path, "--routers", "direct,beamserve-adaptive-spill",
+                       "--tokens", "3000", "-n", "4", "--max-tokens", "8")  # fmt: skip
     rows = {r["router"]: r for r in report["rows"]}
     assert set(rows) == {"direct", "beamserve-adaptive-spill"}
     for r in rows.values():

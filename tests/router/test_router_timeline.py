@@ -10,20 +10,27 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "router-timeline.py"
 
 
-def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path: Path) -> None:
-    out = tmp_path / "timeline.json"
+def report_of(script: Path, tmp_path: Path, *args: str) -> dict[str, Any]:
+    """`script` run with `args` and `--json`: its report (the run must succeed)."""
+    out = tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "4000", "-n", "4", "--json", str(out)],
+        [sys.executable, str(script), *args, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path: Path) -> None:
+    report = report_of(SCRIPT, tmp_path, "--tokens", "4000", "-n", "4")
     stages = [r["stage"] for r in report["stages"]]
     assert all(r["n"] == 4 for r in report["stages"]), report["stages"]
     at = {s: i for i, s in enumerate(stages)}
@@ -41,15 +48,7 @@ def test_a_new_long_prompt_is_hashed_whole_only_after_it_went_out(tmp_path: Path
     """`--cold`: each request starts a session with text never seen (24K characters, more than
     twice `HEAD_CHARS`): it goes out on its head, and its rest is tokenized and hashed after the
     socket write, before the worker's answer is handled."""
-    out = tmp_path / "timeline.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "8000", "-n", "3", "--cold", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = report_of(SCRIPT, tmp_path, "--tokens", "8000", "-n", "3", "--cold")
     assert report["cold"] is True
     at = {r["stage"]: i for i, r in enumerate(report["stages"])}
     assert at["hashed"] < at["upstream call"] < at["written"] < at["rest hashed"]
@@ -71,16 +70,9 @@ def test_only_a_beamserve_router_can_be_looked_inside() -> None:
 def test_a_growing_conversation_is_keyed_whole_before_it_goes_out(tmp_path: Path) -> None:
     """`--grow`: one session's continuing turns (its record read first): each is keyed whole
     before the call — no rest to hash after it — and the client's `[DONE]` is timed."""
-    out = tmp_path / "timeline.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "8000", "-n", "3", "--grow", "--max-tokens", "4",
-         "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = report_of(
+        SCRIPT, tmp_path, "--tokens", "8000", "-n", "3", "--grow", "--max-tokens", "4"
+    )
     assert report["mode"] == "grow" and report["max_tokens"] == 4
     at = {r["stage"]: i for i, r in enumerate(report["stages"])}
     assert "rest hashed" not in at  # (the first turn, a warm-up, went on its head)
