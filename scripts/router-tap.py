@@ -2,7 +2,7 @@
 """What each router adds to one agent's turn, seen from a tap in front of its worker.
 
     .venv/bin/python scripts/router-tap.py [--routers A,B,...] [--tokens 20000] [-n 30]
-        [--max-tokens 64] [--json FILE]
+        [--max-tokens 64] [--rounds 1] [--json FILE]
 
 At one agent, a router's throughput is the sum of its turns' lengths, and a turn through a
 router is: the client's request reaching the worker whole, the worker's own time, and the
@@ -14,15 +14,16 @@ process that stamps every read in each direction with `time.perf_counter` (CLOCK
 shared with the client process), and puts the router in front of the tap. A client then plays
 one conversation: a `--tokens`-token chat followed by `-n` continuing turns (each a short
 reply and a new user message, as an agent's turns mostly are), streamed, `--max-tokens` each,
-the bench's client (`send_turn`: TCP_NODELAY, it stops reading at `[DONE]`).
+through the bench's client (`send_turn`: TCP_NODELAY; it stops reading at `[DONE]`, and a
+turn ends when it has let go of the response).
 
 Per request (medians over the turns after the first two), ms:
 - **to worker**: from the client's send to the request's last byte read at the tap — the
   router's whole request path (body intake, parse, key, decision, upstream write);
 - **worker**: from there to the tap's read of the `[DONE]` event (the worker's own time);
-- **back**: from the `[DONE]` at the tap to the client's reading it (the relay of the last
-  event);
-- **turn**: the client's send to its `[DONE]` — what one agent's run adds up.
+- **back**: from the `[DONE]` at the tap to the end of the client's turn (the relay of the
+  last event);
+- **turn**: the client's send to the end of its turn — what one agent's run adds up.
 
 `direct` in `--routers` is the worker through the tap alone (no router). The tap costs the
 same on every path; its own relay is in every number.
@@ -36,7 +37,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -70,59 +70,48 @@ uvloop.run(main())
 """
 
 
-@dataclasses.dataclass
-class Turn:
-    send: float
-    done: float
-
-
-async def _play(url: str, tokens: int, n: int, max_tokens: int, name: str) -> list[Turn]:
+async def _play(url: str, tokens: int, n: int, max_tokens: int, name: str) -> list[Any]:
+    """The conversation through `url`, with the bench's client (`send_turn`); the records of
+    the turns after the first two."""
     import httpx
-    from beamserve.router.bench.agentic import NODELAY
-    from beamserve.router.bench.agentic_workload import PromptBuilder, synthetic_prompt
+    from beamserve.router.bench.agentic import NODELAY, send_turn
+    from beamserve.router.bench.agentic_workload import PromptBuilder, Turn, synthetic_prompt
 
     messages = synthetic_prompt(PromptBuilder(64), tokens, name)
-    turns: list[Turn] = []
+    records = []
     transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
     async with httpx.AsyncClient(transport=transport, timeout=120) as client:
         for i in range(n + 2):
             reply = {"role": "assistant", "content": f"done with step {i}"}
             ask = {"role": "user", "content": f"now step {i + 1}, and run the tests"}
             messages = [*messages, reply, ask]
-            body = {"model": "beam", "messages": messages, "max_tokens": max_tokens,
-                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-            t0 = time.perf_counter()
-            done = None
-            async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                     headers={"x-session-id": name}) as r:  # fmt: skip
-                if r.status_code != 200:
-                    raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                async for line in r.aiter_lines():
-                    if line.startswith("data:") and line[5:].strip() == "[DONE]":
-                        done = time.perf_counter()
-                        break
-            if done is None:
-                raise RuntimeError(f"{url}: a stream without [DONE]")
-            turns.append(Turn(t0, done))
+            turn = Turn(i, (), 0, 0, max_tokens, 0.0)
+            rec = await send_turn(client, url, name, turn, messages, session_header=name)
+            if not rec.ok:
+                raise RuntimeError(f"{url}: turn {i}: {rec.status} {rec.detail}")
+            records.append(rec)
             await asyncio.sleep(0.03)
-    return turns[2:]
+    return records[2:]
 
 
 def _requests(log_path: Path) -> list[dict[str, float]]:
-    """The tap's POSTs in order: last request byte, and the read with `[DONE]`."""
-    out: list[dict[str, float]] = []
-    current: dict[int, dict[str, float]] = {}
+    """The tap's POSTs in order: the read of their last request byte (`last`) and the read
+    with their `[DONE]` (`done`). Other requests on a connection (the router's scrapes) end
+    the POST before them."""
+    posts: list[dict[str, float]] = []
+    current: dict[int, dict[str, float] | None] = {}  # connection → its POST now, if any
     for line in log_path.read_text().splitlines():
         conn, tag, t, _n, head, done = json.loads(line)
         if tag == "req":
             if head.split(" ")[0] in ("GET", "POST", "PUT", "HEAD", "DELETE"):
-                current[conn] = {"post": float(head.startswith("POST")), "last": t}
-                out.append(current[conn])
-            elif conn in current:
-                current[conn]["last"] = t
-        elif done and conn in current and "done" not in current[conn]:
-            current[conn]["done"] = t
-    return [r for r in out if r["post"] and "done" in r]
+                current[conn] = req = {"last": t} if head.startswith("POST") else None
+                if req is not None:
+                    posts.append(req)
+            elif (req := current.get(conn)) is not None:
+                req["last"] = t
+        elif done and (req := current.get(conn)) is not None and "done" not in req:
+            req["done"] = t
+    return [r for r in posts if "done" in r]
 
 
 def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
@@ -145,15 +134,14 @@ def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
         url = tapped.url if name == "direct" else start_router(procs, ROUTERS[name], [tapped]).url
         turns = asyncio.run(_play(url, tokens, n, max_tokens, f"tap-{name}"))
         reqs = _requests(log_path)[-len(turns) :]
-    to_worker = [(r["last"] - t.send) * 1e3 for t, r in zip(turns, reqs, strict=True)]
+    to_worker = [(r["last"] - t.sent) * 1e3 for t, r in zip(turns, reqs, strict=True)]
     worker_ms = [(r["done"] - r["last"]) * 1e3 for r in reqs]
-    back = [(t.done - r["done"]) * 1e3 for t, r in zip(turns, reqs, strict=True)]
-    turn = [(t.done - t.send) * 1e3 for t in turns]
+    back = [(t.end - r["done"]) * 1e3 for t, r in zip(turns, reqs, strict=True)]
+    turn = [(t.end - t.sent) * 1e3 for t in turns]
     med = statistics.median
     return {"router": name, "n": len(turns), "to_worker_ms": round(med(to_worker), 3),
             "worker_ms": round(med(worker_ms), 3), "back_ms": round(med(back), 3),
-            "turn_ms": round(med(turn), 3),
-            "router_ms": round(med(to_worker) + med(back), 3)}  # fmt: skip
+            "turn_ms": round(med(turn), 3)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,12 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     table = Table(title=f"one agent, {args.tokens:,}-token chat + {args.n} continuing turns, "
                         f"max_tokens {args.max_tokens}: median ms")  # fmt: skip
-    for col in ("router", "round", "to worker", "worker", "back", "router's part", "turn"):
+    for col in ("router", "round", "to worker", "worker", "back", "turn"):
         table.add_column(col, justify="left" if col == "router" else "right")
     for r in rows:
-        table.add_row(r["router"], str(r["round"]), f"{r['to_worker_ms']:.2f}",
-                      f"{r['worker_ms']:.2f}", f"{r['back_ms']:.2f}", f"{r['router_ms']:.2f}",
-                      f"{r['turn_ms']:.2f}")  # fmt: skip
+        ms = (r[k] for k in ("to_worker_ms", "worker_ms", "back_ms", "turn_ms"))
+        table.add_row(r["router"], str(r["round"]), *(f"{x:.2f}" for x in ms))
     Console().print(table)
     if args.json is not None:
         report = {"command": sys.argv, "tokens": args.tokens, "n": args.n,

@@ -24,7 +24,6 @@ def test_each_turn_splits_at_the_tap(tmp_path: Path) -> None:
         assert r["n"] == 4
         assert 0 < r["to_worker_ms"] < r["turn_ms"] and 0 < r["back_ms"] < r["turn_ms"]
         assert r["worker_ms"] > 0
-        assert abs(r["router_ms"] - (r["to_worker_ms"] + r["back_ms"])) < 0.002
     # one more hop: the router's request path comes on top of the tap's
     assert rows["beamserve-adaptive-spill"]["to_worker_ms"] > rows["direct"]["to_worker_ms"]
 
