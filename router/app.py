@@ -447,7 +447,9 @@ class Router:
         # in a pool of several geometries — no head to compute and throw away.
         head = head and record is None and self._one_geometry()
         head_chars, max_chars = self._head_limits(call, limit) if head else (0, None)
-        prompt = await _off_loop(body_bytes, self._prompt_key, call, limit, head_chars, max_chars)
+        prompt = await _off_loop(
+            body_bytes, self._prompt_key, call, limit, head_chars, max_chars, session_id
+        )
         while prompt.partial and not self._head_decides(prompt):
             prompt = await _off_loop(body_bytes, prompt.grow)
         band = band_of(key, headers, record, call, prompt.block_hashes, self._live_session_s)
@@ -480,9 +482,14 @@ class Router:
         limit: int | None,
         head_chars: int = 0,
         max_chars: int | None = None,
+        session: str | None = None,
     ) -> PromptKey:
+        """The prompt's key (`PromptHasher.key`); a session's turn is keyed from its last
+        (`session`: the scoped session id)."""
         try:
-            return self.hasher.key(call, limit, head_chars=head_chars, max_chars=max_chars)
+            return self.hasher.key(
+                call, limit, head_chars=head_chars, max_chars=max_chars, session=session
+            )
         except PromptTooLong as exc:  # refused without tokenizing all of it
             raise _too_long(exc.floor, call, limit or 0, at_least=True) from exc
 

@@ -31,6 +31,13 @@ Continuing turns are incremental, with results identical to the from-scratch com
   tokens as uint32 bytes) → (node, digest, event id), rooted per scheme, block size and vLLM
   `NONE_HASH`. Dict keys compare by value, so a hit is exact: only blocks past the longest
   cached prefix are hashed, chained on the cached digest — whichever session shared it.
+* **A session's next turn.** With a session id (`PromptHasher.key(..., session=...)`), the
+  hasher keeps that session's last prompt (`TurnMemo`: its text, its pieces' lengths and
+  tokens, its block chain). A prompt whose text starts with the last one's is keyed from
+  there: its pieces are the last prompt's up to one that ends at least one split token's
+  length before that text's end (`PromptHasher._restart`), then `split` of the rest; only
+  the rest is tokenized, and only the blocks past the kept tokens are hashed, chained on the
+  kept chain's digest. The cost follows the turn's new text, not the conversation's length.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from beamserve.kvwire.codec import ApproxCodec, Codec, PromptCodec
 from beamserve.kvwire.geometry import HashScheme, KVGeometry
@@ -54,6 +61,7 @@ APPROX_SPLIT_TOKENS = ("<|im_start|>",)
 DEFAULT_SEGMENT_CACHE_BYTES = 128 << 20
 DEFAULT_CHUNK_CHARS = 4096
 DEFAULT_BLOCK_CACHE_BLOCKS = 1 << 17  # 8.4M tokens of 64-token blocks, ≈ 70 MB
+DEFAULT_TURN_MEMO_BYTES = 128 << 20  # ≈ 150 sessions of 100K tokens; more of fewer
 _U32 = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type
 _LITTLE = sys.byteorder == "little"  # native uint32 bytes are SGLang's page bytes
 
@@ -407,6 +415,54 @@ class BlockCache:
 _Tokens = tuple[list[_Part], bytes | None]  # the parts, and all their uint32 bytes (or None)
 
 
+class _LastTurn(NamedTuple):
+    """A session's last prompt as `PromptHasher.key` keyed it (`TurnMemo`)."""
+
+    text: str
+    seg_lens: list[int]  # its pieces' lengths (`split`), in order
+    parts: list[_Part]  # their tokens (uint32 bytes each)
+    nodes: list[_Node]  # its full blocks' chain (the block trie's nodes)
+    hashes: tuple[int, ...]  # their event ids
+
+
+class TurnMemo:
+    """Bounded LRU: session id → its last prompt (`_LastTurn`). An entry counts its text's
+    characters, 4 bytes a token and 64 a block, plus 100; the least recently used go once the
+    total passes `max_bytes` (an entry over it is not kept). Thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_TURN_MEMO_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._d: OrderedDict[str, tuple[_LastTurn, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, session: str) -> _LastTurn | None:
+        with self._lock:
+            hit = self._d.get(session)
+            if hit is None:
+                return None
+            self._d.move_to_end(session)
+            return hit[0]
+
+    def put(self, session: str, turn: _LastTurn) -> None:
+        tokens = sum(map(_part_len, turn.parts))
+        cost = len(turn.text) + 4 * tokens + 64 * len(turn.nodes) + 100
+        with self._lock:
+            old = self._d.pop(session, None)
+            if old is not None:
+                self.bytes -= old[1]
+            if cost > self.max_bytes:
+                return
+            self._d[session] = (turn, cost)
+            self.bytes += cost
+            while self.bytes > self.max_bytes and self._d:
+                _k, (_t, c) = self._d.popitem(last=False)
+                self.bytes -= c
+
+
 class PromptTooLong(ValueError):
     """The prompt has at least `floor` tokens, over the limit given to `PromptHasher.key`."""
 
@@ -418,8 +474,9 @@ class PromptTooLong(ValueError):
 class PromptHasher:
     """The prompt key of a request (module docstring), incremental across turns.
 
-    `segment_cache_bytes` / `block_cache_blocks` bound the two caches (0 turns one off);
-    results never depend on them. Safe to call from several threads."""
+    `segment_cache_bytes` / `block_cache_blocks` / `turn_memo_bytes` bound the caches and
+    the sessions' last prompts (0 turns one off); results never depend on them. Safe to call
+    from several threads."""
 
     def __init__(
         self,
@@ -430,6 +487,7 @@ class PromptHasher:
         segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES,
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
         block_cache_blocks: int = DEFAULT_BLOCK_CACHE_BLOCKS,
+        turn_memo_bytes: int = DEFAULT_TURN_MEMO_BYTES,
     ) -> None:
         self.codec: Codec = (
             PromptCodec.from_model_dir(model_dir) if model_dir is not None else ApproxCodec()
@@ -440,6 +498,7 @@ class PromptHasher:
         self.segments = SegmentCache(segment_cache_bytes)
         self.blocks = BlockCache(block_cache_blocks)
         self.split_tokens = split_tokens(self.codec)
+        self.turns = TurnMemo(turn_memo_bytes)
         # Cutting inside a segment is provably safe for ApproxCodec only (`piece_chunks`).
         self.chunk_chars = chunk_chars if type(self.codec) is ApproxCodec else 0
 
@@ -560,10 +619,18 @@ class PromptHasher:
         block size, so geometries never share entries)."""
         if buf is None or self.blocks.max_blocks <= 0:
             return tuple(e for _, e in self._scratch(_joined_ids(parts), None, bs, scheme))
+        return tuple([node[2] for node in self._chain(buf, bs, scheme)])
+
+    def _chain(
+        self, buf: bytes, bs: int, scheme: HashScheme, kept: Sequence[_Node] = ()
+    ) -> list[_Node]:
+        """The trie nodes of the full `bs`-token blocks of `buf` (uint32 bytes), through the
+        block cache. `kept`: the nodes of its first blocks, known already (then the blocks
+        past them are hashed without a lookup)."""
         step = 4 * bs  # bytes per block in `buf`
         n = len(buf) // step
         if n == 0:
-            return ()
+            return []
         if scheme == "sglang":
             root_key: tuple[Any, ...] = ("sglang", bs)
             parent: bytes | None = None
@@ -571,14 +638,17 @@ class PromptHasher:
             parent = none_hash()  # what hash_blocks_vllm chains the first block on, now
             root_key = ("vllm", bs, parent)
         root = self.blocks.root(root_key)
-        nodes, n_runs = self.blocks.walk(root, buf, step, n)
+        if kept:
+            nodes, n_runs = list(kept), len(kept) // self.blocks.stride
+        else:
+            nodes, n_runs = self.blocks.walk(root, buf, step, n)
         k = len(nodes)
         if k < n or n_runs < n // self.blocks.stride:
             if nodes:
                 parent = nodes[-1][1]
             new = self._scratch_u32(buf[k * step : n * step], parent, bs, scheme)
             nodes = self.blocks.extend(root, nodes, new, buf, step, n_runs)
-        return tuple([node[2] for node in nodes])
+        return nodes
 
     def hashes(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Event ids of the full blocks of `token_ids`, in this hasher's scheme."""
@@ -592,9 +662,14 @@ class PromptHasher:
         *,
         head_chars: int = 0,
         max_chars: int | None = None,
+        session: str | None = None,
     ) -> PromptKey:
         """The request's prompt key. `limit`: the most tokens it may have; a prompt that has
         more for sure (`token_floor`) raises `PromptTooLong` before being tokenized.
+
+        `session`: the id of the session the request belongs to. Its text prompt is keyed from
+        that session's last one when it starts with it (`turns`; the module docstring), and
+        is the session's last from then on.
 
         `head_chars` > 0: in approximate mode, a text prompt of more than twice as many
         characters — and of at most `max_chars` (None: any) — gets a *head* key
@@ -605,8 +680,61 @@ class PromptHasher:
             text = self._text(call)
             if len(text) > 2 * head_chars and (max_chars is None or len(text) <= max_chars):
                 return self.head_key(self.split(text), head_chars)
+        if session is not None and self._memo_on() and not isinstance(call.prompt, list):
+            text = self._text(call)
+            if limit is not None and (floor := self.token_floor(text)) > limit:
+                raise PromptTooLong(floor)
+            return self._turn_key(session, text)
         parts, buf = self._call_tokens(call, limit)
         return self._key(parts, buf)
+
+    def _memo_on(self) -> bool:
+        return self.turns.max_bytes > 0 and self.blocks.max_blocks > 0
+
+    def _turn_key(self, session: str, text: str) -> PromptKey:
+        """`text`'s key, from `session`'s last prompt where it can (the module docstring);
+        the session's last prompt is `text` from now on."""
+        last = self.turns.get(session)
+        restart = self._restart(last, text) if last is not None else None
+        seg_lens: list[int] = []
+        parts: list[_Part] = []
+        kept: list[_Node] = []
+        hashes: tuple[int, ...] = ()
+        c = 0
+        if last is not None and restart is not None:
+            k, c = restart
+            seg_lens, parts = last.seg_lens[:k], last.parts[:k]
+            kept_blocks = sum(map(_part_len, parts)) // self.block_size
+            kept, hashes = last.nodes[:kept_blocks], last.hashes[:kept_blocks]
+        segs = self.split(text[c:]) if c < len(text) else []
+        parts = parts + self._encode_segs(segs)[0]
+        if not all(isinstance(p, bytes) for p in parts):  # an id over uint32: no memo
+            self.turns.put(session, _LastTurn("", [], [], [], ()))
+            return self._key(parts, None)
+        buf = b"".join(parts)  # type: ignore[arg-type]
+        nodes = self._chain(buf, self.block_size, self.scheme, kept)
+        hashes += tuple([node[2] for node in nodes[len(kept) :]])
+        seg_lens += [len(x) for x in segs]
+        self.turns.put(session, _LastTurn(text, seg_lens, parts, nodes, hashes))
+        key = PromptKey.of_parts(parts, hashes, self.precise)
+        key._hasher, key._buf = self, buf
+        return key
+
+    def _restart(self, last: _LastTurn, text: str) -> tuple[int, int] | None:
+        """Where `text` is keyed anew from, when it starts with `last`'s text: (k, c) — keep
+        `last`'s first k pieces, which end at character c, at least one split token's length
+        before the end of `last`'s text (a split token of `text` that begins before c then
+        lies inside `last`'s text, which was cut there too; and where a piece ends depends on
+        no character after it). None: not an extension, or no piece to keep."""
+        longest = max(map(len, self.split_tokens), default=0)
+        if not longest or not last.text or not text.startswith(last.text):
+            return None  # (no split token: a prompt is one piece, cached whole)
+        reach = len(last.text) - longest
+        k, c = len(last.seg_lens), len(last.text)
+        while k > 0 and c > reach:
+            k -= 1
+            c -= last.seg_lens[k]
+        return (k, c) if k > 0 else None
 
     def _key(self, parts: list[_Part], buf: bytes | None) -> PromptKey:
         key = PromptKey.of_parts(parts, self._hashes(parts, buf), self.precise)

@@ -25,8 +25,11 @@ Per request (medians over the turns after the first two), ms:
   last event);
 - **turn**: the client's send to the end of its turn — what one agent's run adds up.
 
-`direct` in `--routers` is the worker through the tap alone (no router). The tap costs the
-same on every path; its own relay is in every number.
+`direct` in `--routers` is the worker through the tap alone (no router). `forwarder` is the
+least a Python router can do: a bare relay on the router's own stack (uvicorn with httptools
+on uvloop in front, aiohttp behind) that reads each body whole and posts it on unparsed — the
+floor under whatever a Python router decides before its upstream call. The tap costs the same
+on every path; its own relay is in every number.
 """
 
 from __future__ import annotations
@@ -68,6 +71,43 @@ async def main():
     await server.serve_forever()
 uvloop.run(main())
 """
+
+
+FORWARDER = r"""
+import sys
+import aiohttp, uvicorn
+target, port = sys.argv[1], int(sys.argv[2])
+state = {}
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                state["http"] = aiohttp.ClientSession()
+                await send({"type": "lifespan.startup.complete"})
+                print('{"url": "http://127.0.0.1:%d"}' % port, flush=True)
+            else:
+                await state["http"].close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    async with state["http"].request(scope["method"], target + scope["path"],
+                                     data=b"".join(chunks),
+                                     headers={"content-type": "application/json"}) as r:
+        kind = r.headers.get("content-type", "application/json").encode()
+        await send({"type": "http.response.start", "status": r.status,
+                    "headers": [(b"content-type", kind)]})
+        async for data in r.content.iter_any():
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+uvicorn.run(app, host="127.0.0.1", port=port, http="httptools", loop="uvloop",
+            log_level="warning")
+"""
+REFERENCES = ("direct", "forwarder")
 
 
 async def _play(url: str, tokens: int, n: int, max_tokens: int, name: str) -> list[Any]:
@@ -131,7 +171,14 @@ def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
                                   worker.url.split("://", 1)[1], str(log_path)])  # fmt: skip
         tap.ready_line(30)
         tapped = dataclasses.replace(worker, url=f"http://127.0.0.1:{port}")
-        url = tapped.url if name == "direct" else start_router(procs, ROUTERS[name], [tapped]).url
+        if name == "direct":
+            url = tapped.url
+        elif name == "forwarder":
+            fwd = procs.start("forwarder", [sys.executable, "-c", FORWARDER, tapped.url,
+                                            str(free_port())])  # fmt: skip
+            url = str(fwd.ready_line(30)["url"])
+        else:
+            url = start_router(procs, ROUTERS[name], [tapped]).url
         turns = asyncio.run(_play(url, tokens, n, max_tokens, f"tap-{name}"))
         reqs = _requests(log_path)[-len(turns) :]
     to_worker = [(r["last"] - t.sent) * 1e3 for t, r in zip(turns, reqs, strict=True)]
@@ -146,9 +193,9 @@ def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--routers", default="direct,beamserve-adaptive-spill,"
+    p.add_argument("--routers", default="direct,forwarder,beamserve-adaptive-spill,"
                    "vllm-router-sticky_least_loaded,sglang-router-cache_aware",
-                   help="bench routers (`bench agentic --routers`) and `direct`")  # fmt: skip
+                   help="`bench agentic --routers` names, `direct`, `forwarder`")  # fmt: skip
     p.add_argument("--tokens", type=int, default=20_000, help="the conversation's first prompt")
     p.add_argument("-n", type=int, default=30, help="continuing turns measured")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -160,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     names = [r for r in args.routers.split(",") if r]
-    unknown = [r for r in names if r != "direct" and r not in ROUTERS]
+    unknown = [r for r in names if r not in REFERENCES and r not in ROUTERS]
     if unknown:
-        p.error(f"--routers: unknown {unknown}; use `direct` or one of {', '.join(ROUTERS)}")
+        p.error(f"--routers: unknown {unknown}; use `direct`, `forwarder` or one of "
+                f"{', '.join(ROUTERS)}")  # fmt: skip
     rows = []
     for rnd in range(args.rounds):
         for name in names:
