@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -64,6 +65,7 @@ from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
 from beamserve.router.policy.pool_roles import PoolRoles
+from beamserve.router.policy.sticky import KIND as STICKY_KIND
 from beamserve.router.prompt import PromptHasher, PromptKey, PromptTooLong
 from beamserve.router.sessions import SessionRecord, SessionStore, extends_tip, tip_blocks
 from beamserve.router.types import Band, Endpoint, RouteDecision, RouteRequest
@@ -101,7 +103,9 @@ class _Bucket:
 class RouterSettings:
     """`served_models`: names accepted in `model` (empty: any). `api_keys`: bearer key → policy
     (empty: no authentication). `max_body_bytes`: larger bodies get 413. `max_retries`: retries
-    on other workers before the first byte. `debug_header`: send `x-beamserve-route`."""
+    on other workers before the first byte. `debug_header`: send `x-beamserve-route`.
+    `speculate`: send a calm session's next turn to its worker before deciding
+    (`Router._speculate`)."""
 
     served_models: tuple[str, ...] = ("beam",)
     api_keys: dict[str, KeyPolicy] = field(default_factory=dict)
@@ -109,6 +113,7 @@ class RouterSettings:
     max_retries: int = 2
     debug_header: bool = True
     default_max_tokens: int = 4096
+    speculate: bool = True
 
 
 @dataclass(eq=False)
@@ -121,6 +126,18 @@ class _Tail:
     task: asyncio.Future[None] | None = None
 
 
+@dataclass(eq=False)
+class _Speculation:
+    """A continuing turn's body, sent as it came to its session's worker before the router
+    parsed it or decided (`Router._speculate`). The answer is the request's when the router's
+    decision is that worker with nothing else to do first (`Router._adoptable`); otherwise
+    the call is called off (`Router._call_off`) and the request goes as decided."""
+
+    worker: str
+    call: asyncio.Future[Any]
+    state: str = "pending"  # → "adopted" or "called off"
+
+
 class _Turn(NamedTuple):
     """One client request on its way through `Router._dispatch`."""
 
@@ -130,6 +147,7 @@ class _Turn(NamedTuple):
     call: UpstreamCall
     dispatch: Dispatch
     tail: _Tail | None = None
+    spec: _Speculation | None = None
 
 
 class ClosingStream(StreamingResponse):
@@ -211,6 +229,8 @@ class Router:
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
         self._sweep_at = 64
+        # session → (its last body's bytes, its prompt's tokens): `_speculate`'s size estimate
+        self._last_sizes: OrderedDict[str, tuple[int, int]] = OrderedDict()
 
     # --- metrics ---------------------------------------------------------------------------------
     def _live(self) -> dict[str, Any]:
@@ -362,6 +382,25 @@ class Router:
     ) -> Response:
         key = self._authenticate(request, dialect)
         raw = await self._read_body(request, dialect)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        client = request.client.host if request.client else None
+        spec = await self._speculate(api, headers, key, raw, client)
+        try:
+            return await self._handle_parsed(api, dialect, request, raw, headers, key, spec)
+        finally:
+            if spec is not None:
+                self._call_off(spec)  # (taken, or called off already: nothing to do)
+
+    async def _handle_parsed(
+        self,
+        api: ApiName,
+        dialect: api_errors.ErrorDialect,
+        request: Request,
+        raw: bytes,
+        headers: dict[str, str],
+        key: KeyPolicy,
+        spec: _Speculation | None,
+    ) -> Response:
         limit = self.settings.max_body_bytes
         parsed = await _off_loop(len(raw), parse_request, api, raw, limit)
         served = self.settings.served_models
@@ -373,7 +412,6 @@ class Router:
             )
         call = to_upstream(parsed)
         t0 = time.perf_counter()
-        headers = {k.lower(): v for k, v in request.headers.items()}
         rreq, record, prompt = await self.route_request(
             call,
             headers,
@@ -384,15 +422,19 @@ class Router:
             head=True,
         )
         hashing_s = time.perf_counter() - t0
+        if rreq.session_id and not prompt.partial:
+            self._remember_size(rreq.session_id, len(raw), prompt.prompt_tokens)
         self.check_length(rreq, call, dialect)
         ticket = await self._admit(request, rreq.band, rreq.tenant, rreq.admission_tokens, dialect)
+        if ticket.waited_s > ADMITTED_AT_ONCE_S:
+            self._call_off(spec)  # it waited its turn at the gate: it goes when admitted
         d = self.core.open(rreq, ticket)
         self._track(d)
         try:
             tail = _Tail(prompt, len(raw)) if prompt.partial else None
             if tail is not None:
                 self.metrics.prompt_heads.inc()
-            turn = _Turn(api, dialect, parsed, call, d, tail)
+            turn = _Turn(api, dialect, parsed, call, d, tail, spec)
             # Until the answer starts, a client that goes away cancels the upstream call (the
             # worker aborts the request); once streaming, the response itself watches.
             return await unless_disconnected(
@@ -401,6 +443,112 @@ class Router:
         except BaseException:
             self.core.close(d)  # a no-op when the outcome was already recorded
             raise
+
+    async def _speculate(
+        self,
+        api: ApiName,
+        headers: Mapping[str, str],
+        key: KeyPolicy,
+        raw: bytes,
+        client: str | None,
+    ) -> _Speculation | None:
+        """Send a calm session's next turn to its worker now, body as it came, before it is
+        parsed, keyed and routed — what the router would decide anyway, most of the time
+        (docs/router.md, "Speculative dispatch"). Only a streamed chat or completions call that
+        asks for usage (its body is what the worker gets, unchanged) of a session named by a
+        header, on record and live (`FlowConfig.live_session_s`: the ``continuing`` band), whose
+        worker is healthy with nothing in flight, with nothing queued at the flow gate, the pool
+        not split or draining, under the default policy, and whose body grew since the last turn
+        by fewer tokens (at the last turn's tokens per byte) than any rule that weighs them
+        (`_growth_cap`). `_adoptable` decides later whether the answer is the request's."""
+        if not self.settings.speculate or api not in ("chat", "completions"):
+            return None
+        if getattr(self.core.policy, "kind", None) != STICKY_KIND or self.flow.waiting:
+            return None
+        if self._pool_roles is not None and self._pool_roles.mode != "colocated":
+            return None
+        raw_id, source = session_id_from(headers, "")
+        if source != "header" or b'"include_usage"' not in raw:
+            return None
+        session = tenant_and_session(key, raw_id, client)[1]
+        last = self._last_sizes.get(session)
+        if last is None or len(raw) < last[0]:
+            return None
+        bytes_, tokens = last
+        grown = (len(raw) - bytes_) * tokens / max(bytes_, 1)
+        if 1.25 * grown + 2 * self.hasher.block_size >= self._growth_cap():
+            return None
+        record = await self.sessions.get(session)
+        live = self._live_session_s
+        if record is None or not record.worker or live is None:
+            return None
+        if time.time() - record.updated > live:
+            return None
+        ep = next((e for e in self.endpoints() if e.id == record.worker), None)
+        if ep is None or not ep.can_decode:
+            return None
+        load = self.core.loads.load(ep.id)
+        if not load.healthy or load.in_flight:
+            return None
+        written = asyncio.get_running_loop().create_future()
+
+        def sent() -> None:
+            if not written.done():
+                written.set_result(None)
+
+        call = self.upstreams.post_now(ep, API_PATHS[api], raw, sent)
+        # the body goes out before the parse (or the call fails first: `open_stream` says so)
+        await asyncio.wait([written, call], return_when=asyncio.FIRST_COMPLETED)
+        return _Speculation(ep.id, call)
+
+    def _growth_cap(self) -> int:
+        """The fewest uncached tokens that some rule weighs: the prefill in pieces (where it
+        applies), a disaggregation split of a turn on its own worker, and the policy's margin
+        for leaving an idle warm worker (`prefill_tok_s` × `margin_s`)."""
+        cap = 32_768
+        protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
+        if self._pieces is not None and protect:
+            cap = min(cap, self._pieces.min_tokens)
+        disagg = self.core.disaggregation
+        params = getattr(disagg, "params", None)
+        if params is not None and params.enabled and not params.keep_warm_local:
+            cap = min(cap, params.min_uncached_tokens)
+        return cap
+
+    def _remember_size(self, session: str, body_bytes: int, tokens: int) -> None:
+        sizes = self._last_sizes
+        sizes[session] = (body_bytes, tokens)
+        sizes.move_to_end(session)
+        if len(sizes) > LAST_SIZES:
+            sizes.popitem(last=False)
+
+    def _adoptable(self, turn: _Turn, d: RouteDecision) -> bool:
+        """Is the speculative call's answer this request's: the decision is that worker, on
+        the first attempt, with no prefill leg, and the body the router would send is the
+        client's (a streamed call that asked for usage)."""
+        spec, disp = turn.spec, turn.dispatch
+        return (
+            spec is not None
+            and spec.state == "pending"
+            and d.decode.id == spec.worker
+            and d.prefill is None
+            and disp.attempts == 0
+            and not disp.spilled
+            and turn.call.stream
+            and _unchanged(turn.call.body, turn.parsed.raw)
+        )
+
+    def _call_off(self, spec: _Speculation | None) -> None:
+        """Abort a speculative call not taken (the worker sees its client go)."""
+        if spec is None or spec.state != "pending":
+            return
+        spec.state = "called off"
+        self.metrics.speculations.labels("called_off").inc()
+        call = spec.call
+        if not call.done():
+            call.cancel()
+        elif not call.cancelled() and call.exception() is None:
+            call.result().close()
 
     def check_length(
         self, rreq: RouteRequest, call: UpstreamCall, dialect: api_errors.ErrorDialect = "openai"
@@ -582,13 +730,14 @@ class Router:
         while True:
             t0 = time.perf_counter()
             decision = self._route(d, warm, turn.dialect)
+            if not self._adoptable(turn, decision):
+                self._call_off(turn.spec)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0 + hashing_s)
             hashing_s = 0.0
             sent = self._sent(d, decision, turn)
             protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
             if turn.tail is not None and (
-                decision.prefill is not None
-                or (protect and (self._pace_hold is not None or self._pieces is not None))
+                decision.prefill is not None or (protect and self._sized_by_turn_rules(d))
             ):
                 await self._settle(turn)  # a prefill leg, a hold or pieces go on the whole prompt
             if decision.prefill is not None:
@@ -599,7 +748,7 @@ class Router:
                     self.metrics.prefill_lull_spills.inc()
             try:
                 if self._pace_hold is not None and protect:
-                    await self._hold_for_pace(d, self._pace_hold)
+                    await self._hold_for_pace(d, self._pace_hold, turn.spec)
                 if self._pieces is not None and protect:
                     await self._prefill_in_pieces(turn, decision, self._pieces)
                 if turn.call.stream:
@@ -619,6 +768,16 @@ class Router:
                 raise
             finally:
                 sent()
+
+    def _sized_by_turn_rules(self, d: Dispatch) -> bool:
+        """Could the pace hold (continuing turns) or the prefill in pieces (continuing turns,
+        and first turns spilled to their decode worker) weigh this request's uncached tokens?
+        Then a prompt routed on its head is keyed whole before the call; a new session's,
+        never weighed by either, goes on its head."""
+        band = d.request.band
+        return (self._pace_hold is not None and band == "continuing") or (
+            self._pieces is not None and (band == "continuing" or d.spilled)
+        )
 
     def _sent(self, d: Dispatch, decision: RouteDecision, turn: _Turn) -> Callable[[], None]:
         """What follows an attempt's decision once its request is on its way to the worker
@@ -650,12 +809,15 @@ class Router:
 
         return done
 
-    async def _hold_for_pace(self, d: Dispatch, rule: PaceHold) -> None:
+    async def _hold_for_pace(
+        self, d: Dispatch, rule: PaceHold, spec: _Speculation | None = None
+    ) -> None:
         """Wait while the pace hold says so (`beamserve.router.flow.pace_hold`); the request
         stays routed and booked meanwhile (a client that leaves cancels it, as before any
         upstream call)."""
         if not self.core.pace_holds(d, rule):
             return
+        self._call_off(spec)  # it waits: the speculative call goes back
         self.core.predict(d)  # routed and booked while it waits
         t0 = self.core.clock()
         while True:
@@ -690,7 +852,8 @@ class Router:
         cuts = piece_cuts(len(ids), f.prefill_tokens, rule.piece_tokens, self.hasher.block_size)
         if not cuts:
             return
-        self.core.predict(d)  # the pieces go first
+        self._call_off(turn.spec)  # the pieces go first
+        self.core.predict(d)
         model = turn.call.body.get("model") or rreq.model or self.settings.served_models[0]
         ep, sent, t0 = decision.decode, 0, self.core.clock()
         outcome = "done"
@@ -790,7 +953,8 @@ class Router:
             )
 
     async def _unary(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
-        api, _dialect, parsed, call, dispatch, _tail = turn
+        api, _dialect, parsed, call, dispatch, _tail, spec = turn
+        self._call_off(spec)
         upstream = await self.upstreams.unary(
             d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
         )
@@ -808,11 +972,18 @@ class Router:
         return JSONResponse(body, headers=self._headers(d, dispatch.request))
 
     async def _stream(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
-        api, dialect, parsed, call, dispatch, _tail = turn
+        api, dialect, parsed, call, dispatch, _tail, spec = turn
         rreq = dispatch.request
-        chunks = await self.upstreams.stream(
-            d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
-        )
+        if spec is not None and self._adoptable(turn, d):
+            spec.state = "adopted"  # the body went out before the decision: its answer is ours
+            self.metrics.speculations.labels("adopted").inc()
+            sent()
+            chunks = await self.upstreams.open_stream(d.decode, spec.call)
+        else:
+            self._call_off(spec)
+            chunks = await self.upstreams.stream(
+                d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
+            )
         model = parsed.model or self.settings.served_models[0]
         translator = translator_for(
             api,
@@ -968,6 +1139,17 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
 
 # How often `unless_disconnected` looks for a client that went away.
 DISCONNECT_POLL_S = 0.25
+# Sessions whose last sizes `Router._speculate` keeps (least recently used out).
+LAST_SIZES = 65_536
+# A request admitted by the flow gate within this long did not wait (a speculative call
+# stands); one that waited longer is called off and goes when admitted.
+ADMITTED_AT_ONCE_S = 0.001
+
+
+def _unchanged(body: Mapping[str, Any], raw: Mapping[str, Any]) -> bool:
+    """Is the worker call's body the client's, field for field (`to_upstream` copies the
+    client's fields and sets the stream's)?"""
+    return body.keys() == raw.keys() and all(v is raw[k] or v == raw[k] for k, v in body.items())
 
 
 def _session_of(call: UpstreamCall, headers: Mapping[str, str]) -> str:

@@ -121,6 +121,9 @@ def add_router(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
     p.add_argument("--prefill-timeout-s", type=float, default=30.0)
     p.add_argument("--no-debug-header", action="store_true")
+    p.add_argument("--no-speculative-dispatch", action="store_true",
+                   help="never send a session's next turn to its worker before deciding "
+                   "(docs/router.md, \"Speculative dispatch\")")  # fmt: skip
     p.add_argument("--config", type=Path, default=None, metavar="FILE",
                    help="RouterConfig YAML (a BeamDeployment's spec.router; the operator's "
                    "ConfigMap): flags given on the command line override it")  # fmt: skip
@@ -184,6 +187,7 @@ def runtime_config(args: argparse.Namespace) -> Any:
         api_keys=keys,
         max_body_bytes=args.max_body_bytes,
         debug_header=not args.no_debug_header,
+        speculate=not args.no_speculative_dispatch,
     )
     return RuntimeConfig(
         policy=args.policy,

@@ -234,6 +234,14 @@ class RouterMetrics:
             "(flow.prefill_spill_lull_s).",
             registry=r,
         )
+        self.speculations = Counter(
+            "beamserve_router_speculative_dispatches",
+            "Continuing turns sent to their session's worker before the router decided, by "
+            "outcome: adopted (the decision was that worker) or called_off (aborted; the "
+            "request went as decided).",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_heads = Counter(
             "beamserve_router_prompt_heads",
             "Requests routed on their prompt's first segments (a long prompt that starts a "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -396,11 +396,28 @@ class Upstreams:
         went out."""
         body = await self._decode_body(d, call, on_fallback, on_prefill_done)
         ep = d.decode
+        return await self.open_stream(ep, self.http.post(
+            ep.url + call.path, data=orjson.dumps(body), headers=JSON_HEADERS,
+            timeout=self.timeout, trace_request_ctx=on_sent,
+        ))  # fmt: skip
+
+    def post_now(
+        self, ep: Endpoint, path: str, body: bytes, on_sent: SentHook | None = None
+    ) -> asyncio.Future[Any]:
+        """A streamed call of `body` (bytes as they are) to `ep`, started now (`on_sent`:
+        called once its body went out); `open_stream` takes its answer, or cancelling the
+        future calls it off (the worker sees its client go and aborts it)."""
+        return asyncio.ensure_future(self.http.post(
+            ep.url + path, data=body, headers=JSON_HEADERS, timeout=self.timeout,
+            trace_request_ctx=on_sent,
+        ))  # fmt: skip
+
+    async def open_stream(self, ep: Endpoint, pending: Awaitable[Any]) -> UpstreamChunks:
+        """The stream of a call to `ep` (`pending`: its response to come), once its answer
+        starts; `UpstreamError` when it fails before that, `APIError` when the worker refuses
+        the request."""
         try:
-            resp = await self.http.post(
-                ep.url + call.path, data=orjson.dumps(body), headers=JSON_HEADERS,
-                timeout=self.timeout, trace_request_ctx=on_sent,
-            )  # fmt: skip
+            resp = await pending
         except TimeoutError as exc:
             raise UpstreamError(ep.id, "timeout", "no answer in time") from exc
         except aiohttp.ClientError as exc:

@@ -2,7 +2,8 @@
 """Where a long prompt's time goes inside the router: one request at a time, stage by stage.
 
     .venv/bin/python scripts/router-timeline.py [--router beamserve-adaptive-spill]
-        [--tokens 100000] [-n 40] [--cold | --grow] [--max-tokens 1] [--json FILE]
+        [--tokens 100000] [-n 40] [--cold | --grow] [--max-tokens 1] [--no-speculate]
+        [--json FILE]
 
 `beamserve bench wire-overhead` measures what a router adds to TTFT over a direct call, but a
 sim worker's own TTFT varies by ±5–10 ms from one request to the next, so differences under a
@@ -22,6 +23,10 @@ requests; it stops reading at `[DONE]`, as the bench's client does. The two proc
 `time.perf_counter` (CLOCK_MONOTONIC), so every stage is timed from the client's send (the
 client's first token and `[DONE]` included). Printed (and written with `--json`): each stage's
 median time since the send and since the stage before it, in the order they happen.
+
+A session's next turn may go out before it is parsed (the router's speculative dispatch,
+docs/router.md): then the upstream call and its socket write come right after the body read;
+`--no-speculate` runs the router with `--no-speculative-dispatch`.
 
 The wrappers cost a few microseconds a stage. A stage that runs off the path to the worker
 (the predictions, after the upstream write) shows where it lands.
@@ -133,7 +138,9 @@ def _probe() -> None:
     _wrap(app.Router, "_admit", None, "admitted")
     _wrap(core.RoutingCore, "decide", None, "decided")
     _wrap(app.Router, "_route", None, "routed (booked)")
-    _wrap(pd.Upstreams, "stream", "upstream call", "worker answered")
+    _wrap(pd.Upstreams, "stream", "upstream call", None)
+    _wrap(pd.Upstreams, "post_now", "upstream call", None)  # a speculative dispatch's
+    _wrap(pd.Upstreams, "open_stream", None, "worker answered")
     _wrap(http_writer.StreamWriter, "_writelines", "socket write", "written")
     _wrap(prefix_index.PrefixIndex, "predict", None, "predicted")
     _wrap(app.Router, "_record_decision", None, "decision recorded")
@@ -164,7 +171,7 @@ class _FirstBody:
 
 
 async def _run(
-    router_name: str, tokens: int, n: int, mode: str, max_tokens: int
+    router_name: str, tokens: int, n: int, mode: str, max_tokens: int, speculate: bool = True
 ) -> dict[str, list[float]]:
     import uvicorn
     from beamserve.operator.router_config import apply_router_config
@@ -178,6 +185,8 @@ async def _run(
     with Procs() as procs:
         workers = start_workers(procs, 1, "h200-bf16-tp8", kv_both=spec.kv_both)
         argv = spec.argv(spec, workers, 0)
+        if not speculate:
+            argv.append("--no-speculative-dispatch")
         args = apply_router_config(build_parser().parse_args(argv[1:]))
         rt = RouterRuntime(_discovery(args), runtime_config(args))
         await rt.start()
@@ -249,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         help="each request the next turn of one conversation (a continuing turn)",
     )
     p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--no-speculate", action="store_true",
+                   help="the router's `--no-speculative-dispatch`: every request parsed, keyed "
+                   "and routed before its upstream call")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     import uvloop
@@ -264,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and args.grow:
         p.error("--cold and --grow: give one")
     mode = "cold" if args.cold else "grow" if args.grow else "warm"
-    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n, mode, args.max_tokens)))
+    rows = timeline(uvloop.run(_run(args.router, args.tokens, args.n, mode, args.max_tokens,
+                                    not args.no_speculate)))  # fmt: skip
     from rich.console import Console
     from rich.table import Table
 

@@ -122,3 +122,52 @@ def test_a_turn_of_a_session_on_record_is_keyed_whole_without_a_head(
             assert none is None and key.partial and heads == [8_192, 8_192]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "flow",
+    [{}, {"pace_hold_tokens": 1024, "prefill_piece_min_tokens": 4096}],
+    ids=["plain", "turn-rules"],
+)
+def test_a_new_sessions_head_goes_before_its_rest_under_the_turn_rules(
+    spawn_worker: SpawnWorker, monkeypatch: pytest.MonkeyPatch, flow: dict[str, Any]
+) -> None:
+    """The pace hold and the prefill in pieces weigh a continuing turn's (or a spilled first
+    turn's) uncached tokens, never a new session's: with them configured too, a long prompt
+    that starts a session goes to its worker on its head, and its rest is tokenized and hashed
+    after the upstream call."""
+    import asyncio
+
+    from beamserve.router.pd import Upstreams
+    from beamserve.router.prompt import PromptKey
+
+    from tests.router.test_pace_hold import router_over
+    from tests.router.test_router_flow import serving
+
+    events: list[str] = []
+    complete, stream = PromptKey.complete, Upstreams.stream
+
+    def completed(self: PromptKey) -> PromptKey:
+        if self.partial:
+            events.append("rest hashed")
+        return complete(self)
+
+    async def streamed(self: Upstreams, *a: Any, **k: Any) -> Any:
+        events.append("upstream call")
+        return await stream(self, *a, **k)
+
+    monkeypatch.setattr(PromptKey, "complete", completed)
+    monkeypatch.setattr(Upstreams, "stream", streamed)
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, _ = router_over(w.url, **flow)
+    msgs = [{"role": "user", "content": _text("h", 6_000)}]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            body = {"model": "beam", "messages": msgs, "max_tokens": 2, "stream": True}
+            r = await c.post("/v1/chat/completions", headers={"x-session-id": "new"}, json=body)
+            assert r.status_code == 200, r.text
+            assert rt.core.open_dispatches == 0
+
+    asyncio.run(main())
+    assert events == ["upstream call", "rest hashed"]

@@ -30,7 +30,7 @@ def report_of(script: Path, tmp_path: Path, *args: str) -> dict[str, Any]:
 
 
 def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path: Path) -> None:
-    report = report_of(SCRIPT, tmp_path, "--tokens", "4000", "-n", "4")
+    report = report_of(SCRIPT, tmp_path, "--tokens", "4000", "-n", "4", "--no-speculate")
     stages = [r["stage"] for r in report["stages"]]
     assert all(r["n"] == 4 for r in report["stages"]), report["stages"]
     at = {s: i for i, s in enumerate(stages)}
@@ -42,6 +42,17 @@ def test_the_predictions_and_the_record_come_after_the_request_went_out(tmp_path
               "client's first token"]  # fmt: skip
     assert [at[s] for s in answer] == sorted(at[s] for s in answer), stages
     assert at["first chunk"] > at["predicted"]
+
+
+def test_a_speculative_turn_goes_out_before_it_is_parsed(tmp_path: Path) -> None:
+    """The same prompt again and again under one session (a calm session's next turns): each
+    goes to the worker right after its body is read, and is parsed, keyed, admitted and routed
+    while the worker starts on it."""
+    report = report_of(SCRIPT, tmp_path, "--tokens", "4000", "-n", "4", "--max-tokens", "4")
+    at = {r["stage"]: i for i, r in enumerate(report["stages"])}
+    path = ["body read", "upstream call", "socket write", "written", "parsed", "hashed",
+            "admitted", "decided", "routed (booked)", "worker answered", "first chunk"]  # fmt: skip
+    assert [at[s] for s in path] == sorted(at[s] for s in path), report["stages"]
 
 
 def test_a_new_long_prompt_is_hashed_whole_only_after_it_went_out(tmp_path: Path) -> None:
@@ -69,10 +80,10 @@ def test_only_a_beamserve_router_can_be_looked_inside() -> None:
 
 def test_a_growing_conversation_is_keyed_whole_before_it_goes_out(tmp_path: Path) -> None:
     """`--grow`: one session's continuing turns (its record read first): each is keyed whole
-    before the call — no rest to hash after it — and the client's `[DONE]` is timed."""
-    report = report_of(
-        SCRIPT, tmp_path, "--tokens", "8000", "-n", "3", "--grow", "--max-tokens", "4"
-    )
+    before the call — no rest to hash after it — and the client's `[DONE]` is timed (not
+    speculated: the order the router keeps when it decides first)."""
+    report = report_of(SCRIPT, tmp_path, "--tokens", "8000", "-n", "3", "--grow",
+                       "--max-tokens", "4", "--no-speculate")  # fmt: skip
     assert report["mode"] == "grow" and report["max_tokens"] == 4
     at = {r["stage"]: i for i, r in enumerate(report["stages"])}
     assert "rest hashed" not in at  # (the first turn, a warm-up, went on its head)
