@@ -444,10 +444,33 @@ def _figures(
         records, gpus=gpus, duration_s=dur, slo_ttft_s=cfg.slo_ttft_s, slo_tok_s=cfg.slo_tok_s
     )
     out = stats.to_json()
+    out["last_session"] = last_session(records)
     samples = [f"{r.status}: {r.detail}" for r in records if not r.ok][:3]
     if samples:
         out["error_samples"] = samples
     return out
+
+
+def last_session(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """What ends a closed-loop run: the session whose last request ended last — its name, its
+    first send and its span (seconds from the run's first send), and when every other session
+    was done. At low concurrency a run's length, and so its throughput, is mostly that one
+    session's start and its own span."""
+    if not records:
+        return None
+    t0 = min(r.sent for r in records)
+    spans: dict[str, list[float]] = {}
+    for r in records:
+        span = spans.setdefault(r.session, [r.sent, r.end])
+        span[0], span[1] = min(span[0], r.sent), max(span[1], r.end)
+    name, (start, end) = max(spans.items(), key=lambda kv: (kv[1][1], kv[0]))
+    others = [e for k, (_s, e) in spans.items() if k != name]
+    return {
+        "session": name,
+        "start_s": round(start - t0, 3),
+        "span_s": round(end - start, 3),
+        "others_done_s": round(max(others) - t0, 3) if others else None,
+    }
 
 
 # --- output ------------------------------------------------------------------------------------

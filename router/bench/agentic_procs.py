@@ -401,6 +401,7 @@ ROUTER_COUNTERS = (
     "beamserve_router_pd_fallbacks_total",
     "beamserve_router_retries_total",
     "beamserve_router_pool_mode_switches_total",
+    "beamserve_router_speculative_dispatches_total",
 )
 
 

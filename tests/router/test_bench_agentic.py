@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from beamserve.kvwire.codec import ApproxCodec
-from beamserve.router.bench.agentic import AgenticConfig, run_agentic
+from beamserve.router.bench.agentic import AgenticConfig, last_session, run_agentic
 from beamserve.router.bench.agentic_procs import ROUTERS, busy_figures
 from beamserve.router.bench.agentic_stats import (
     RequestRecord,
@@ -181,6 +181,20 @@ def test_summary_goodput_errors_cache_hits() -> None:
     assert st.user_tok_s_p50 == pytest.approx(64.0)
 
 
+def test_the_last_session_is_what_ends_the_run() -> None:
+    records = [
+        RequestRecord("a", 0, sent=10.0, end=12.0),
+        RequestRecord("b", 0, sent=10.5, end=11.0),
+        RequestRecord("b", 1, sent=13.0, end=19.5),  # b ends last: started at 0.5, ran 9 s
+        RequestRecord("c", 0, sent=14.0, end=15.0),
+    ]
+    assert last_session(records) == {
+        "session": "b", "start_s": 0.5, "span_s": 9.0, "others_done_s": 5.0
+    }  # fmt: skip
+    assert last_session(records[:1])["others_done_s"] is None  # type: ignore[index]
+    assert last_session([]) is None
+
+
 def test_busy_figures_from_two_workers_samples() -> None:
     samples = [
         (0.0, [(10.0, 4.0, 1000.0), (0.0, 0.0, 0.0)]),
@@ -269,6 +283,9 @@ def test_self_contained_run_through_the_beamserve_router(
     assert set(row) >= FIELDS, FIELDS - set(row)
     assert row["router"] == "beamserve" and row["errors"] == {}
     assert row["requests"] == row["ok"] == 8
+    last = row["last_session"]  # one agent: the second session starts when the first is done
+    assert last["start_s"] > 0 and last["others_done_s"] <= last["start_s"] + 0.01
+    assert last["start_s"] + last["span_s"] == pytest.approx(row["duration_s"], abs=0.05)
     assert row["gpus"] == 16 and row["block_tokens"] == 3
     assert row["ttft_p50_s"] > 0 and row["output_tok_s"] > 0 and row["router_cpu_s"] > 0
     assert row["cache_hit_ratio"] is not None and row["cache_hit_ratio"] > 0  # turns extend
