@@ -468,7 +468,7 @@ class Router:
         if self._pool_roles is not None and self._pool_roles.mode != "colocated":
             return None
         raw_id, source = session_id_from(headers, "")
-        if source != "header" or b'"include_usage"' not in raw:
+        if source != "header" or not _asks_usage(raw):
             return None
         session = tenant_and_session(key, raw_id, client)[1]
         last = self._last_sizes.get(session)
@@ -504,8 +504,10 @@ class Router:
     def _growth_cap(self) -> int:
         """The fewest uncached tokens that some rule weighs: the prefill in pieces (where it
         applies), a disaggregation split of a turn on its own worker, and the policy's margin
-        for leaving an idle warm worker (`prefill_tok_s` × `margin_s`)."""
-        cap = 32_768
+        for leaving an idle warm worker (`prefill_tok_s` × `margin_s`: an idle warm worker's
+        estimated TTFT within the margin is never left)."""
+        sticky = getattr(self.core.policy, "params", None)
+        cap = int(sticky.prefill_tok_s * sticky.margin_s) if sticky is not None else 0
         protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
         if self._pieces is not None and protect:
             cap = min(cap, self._pieces.min_tokens)
@@ -1144,6 +1146,13 @@ LAST_SIZES = 65_536
 # A request admitted by the flow gate within this long did not wait (a speculative call
 # stands); one that waited longer is called off and goes when admitted.
 ADMITTED_AT_ONCE_S = 0.001
+
+
+def _asks_usage(raw: bytes) -> bool:
+    """Does a body's text say ``"include_usage": true`` (a speculation's first look: the
+    parse confirms it, `Router._adoptable`)?"""
+    at = raw.rfind(b'"include_usage"')
+    return at >= 0 and raw[at + 15 : at + 40].lstrip(b" \t\r\n:").startswith(b"true")
 
 
 def _unchanged(body: Mapping[str, Any], raw: Mapping[str, Any]) -> bool:

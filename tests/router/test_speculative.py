@@ -174,7 +174,7 @@ def test_a_speculative_call_to_another_worker_than_decided_is_called_off(
 
 
 @pytest.mark.parametrize(
-    "case", ["no session header", "no usage asked", "switched off", "worker busy"]
+    "case", ["no session header", "no usage asked", "usage declined", "switched off", "worker busy"]
 )
 def test_no_speculation_where_the_body_or_the_pool_says_no(
     spawn_worker: SpawnWorker, events: list[str], case: str
@@ -189,6 +189,8 @@ def test_no_speculation_where_the_body_or_the_pool_says_no(
             body = _body(LATER)
             if case == "no usage asked":
                 body.pop("stream_options")
+            if case == "usage declined":  # (the router asks the worker for it all the same)
+                body["stream_options"] = {"include_usage": False}
             busy = None
             if case == "worker busy":  # another session streams from the same worker
                 long = {**_body([{"role": "user", "content": "write a lot"}]), "max_tokens": 400}
