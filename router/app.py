@@ -135,6 +135,7 @@ class _Speculation:
 
     worker: str
     call: asyncio.Future[Any]
+    record: SessionRecord  # the session's record it was sent on (`route_request` reuses it)
     state: str = "pending"  # → "adopted" or "called off"
 
 
@@ -420,6 +421,7 @@ class Router:
             body_bytes=len(raw),
             client=request.client.host if request.client else None,
             head=True,
+            record=spec.record if spec is not None else None,
         )
         hashing_s = time.perf_counter() - t0
         if rreq.session_id and not prompt.partial:
@@ -499,7 +501,7 @@ class Router:
         call = self.upstreams.post_now(ep, API_PATHS[api], raw, sent)
         # the body goes out before the parse (or the call fails first: `open_stream` says so)
         await asyncio.wait([written, call], return_when=asyncio.FIRST_COMPLETED)
-        return _Speculation(ep.id, call)
+        return _Speculation(ep.id, call, record)
 
     def _growth_cap(self) -> int:
         """The fewest uncached tokens that some rule weighs: the prefill in pieces (where it
@@ -527,7 +529,9 @@ class Router:
     def _adoptable(self, turn: _Turn, d: RouteDecision) -> bool:
         """Is the speculative call's answer this request's: the decision is that worker, on
         the first attempt, with no prefill leg, and the body the router would send is the
-        client's (a streamed call that asked for usage)."""
+        client's (a streamed call that asked for usage)? `_dispatch` asks once per attempt
+        and calls off what is not; the pace hold and the pieces call it off when they act, and
+        `_stream` takes what is still pending."""
         spec, disp = turn.spec, turn.dispatch
         return (
             spec is not None
@@ -580,6 +584,7 @@ class Router:
         body_bytes: int = 0,
         client: str | None = None,
         head: bool = False,
+        record: SessionRecord | None = None,
     ) -> tuple[RouteRequest, SessionRecord | None, PromptKey]:
         """What routing sees of a client request (the HTTP door and the ext_proc picker alike):
         its tenant and session (`tenant_and_session`), the prompt's token count and block
@@ -588,11 +593,13 @@ class Router:
         event loop). `client`: the caller's address (the fairness tenant of anonymous callers).
         `head`: the key may be a head key (`HEAD_CHARS`; the caller finishes it, `_settle`) —
         for a prompt that starts a session (none on record), in one KV geometry, provably
-        within the length limit."""
+        within the length limit. `record`: the session's record when the caller read it
+        already (a speculative call's), not read again."""
         limit = self.max_model_len()  # on the loop: the endpoint list is not shared with threads
         raw_id = await _off_loop(body_bytes, _session_of, call, headers)
         tenant, session_id = tenant_and_session(key, raw_id, client)
-        record = await self.sessions.get(session_id)
+        if record is None:
+            record = await self.sessions.get(session_id)
         # The record first: a session on record has its tip matched whole, and so do prompts
         # in a pool of several geometries — no head to compute and throw away.
         head = head and record is None and self._one_geometry()
@@ -955,8 +962,7 @@ class Router:
             )
 
     async def _unary(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
-        api, _dialect, parsed, call, dispatch, _tail, spec = turn
-        self._call_off(spec)
+        api, _dialect, parsed, call, dispatch, _tail, _spec = turn  # (called off: not streamed)
         upstream = await self.upstreams.unary(
             d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
         )
@@ -976,13 +982,12 @@ class Router:
     async def _stream(self, turn: _Turn, d: RouteDecision, sent: Callable[[], None]) -> Response:
         api, dialect, parsed, call, dispatch, _tail, spec = turn
         rreq = dispatch.request
-        if spec is not None and self._adoptable(turn, d):
+        if spec is not None and spec.state == "pending":  # adoptable (`_dispatch` checked)
             spec.state = "adopted"  # the body went out before the decision: its answer is ours
             self.metrics.speculations.labels("adopted").inc()
             sent()
             chunks = await self.upstreams.open_stream(d.decode, spec.call)
         else:
-            self._call_off(spec)
             chunks = await self.upstreams.stream(
                 d, call, self._on_pd_fallback, self.core.prefill_hook(dispatch), sent
             )
@@ -1148,11 +1153,14 @@ LAST_SIZES = 65_536
 ADMITTED_AT_ONCE_S = 0.001
 
 
+_USAGE_KEY = b'"include_usage"'
+
+
 def _asks_usage(raw: bytes) -> bool:
     """Does a body's text say ``"include_usage": true`` (a speculation's first look: the
     parse confirms it, `Router._adoptable`)?"""
-    at = raw.rfind(b'"include_usage"')
-    return at >= 0 and raw[at + 15 : at + 40].lstrip(b" \t\r\n:").startswith(b"true")
+    at = raw.rfind(_USAGE_KEY) + len(_USAGE_KEY)
+    return at >= len(_USAGE_KEY) and raw[at : at + 24].lstrip(b" \t\r\n:").startswith(b"true")
 
 
 def _unchanged(body: Mapping[str, Any], raw: Mapping[str, Any]) -> bool:

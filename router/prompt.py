@@ -447,6 +447,12 @@ class TurnMemo:
             self._d.move_to_end(session)
             return hit[0]
 
+    def discard(self, session: str) -> None:
+        with self._lock:
+            old = self._d.pop(session, None)
+            if old is not None:
+                self.bytes -= old[1]
+
     def put(self, session: str, turn: _LastTurn) -> None:
         tokens = sum(map(_part_len, turn.parts))
         cost = len(turn.text) + 4 * tokens + 64 * len(turn.nodes) + 100
@@ -709,7 +715,7 @@ class PromptHasher:
         segs = self.split(text[c:]) if c < len(text) else []
         parts = parts + self._encode_segs(segs)[0]
         if not all(isinstance(p, bytes) for p in parts):  # an id over uint32: no memo
-            self.turns.put(session, _LastTurn("", [], [], [], ()))
+            self.turns.discard(session)
             return self._key(parts, None)
         buf = b"".join(parts)  # type: ignore[arg-type]
         nodes = self._chain(buf, self.block_size, self.scheme, kept)
@@ -727,7 +733,7 @@ class PromptHasher:
         lies inside `last`'s text, which was cut there too; and where a piece ends depends on
         no character after it). None: not an extension, or no piece to keep."""
         longest = max(map(len, self.split_tokens), default=0)
-        if not longest or not last.text or not text.startswith(last.text):
+        if not longest or not text.startswith(last.text):
             return None  # (no split token: a prompt is one piece, cached whole)
         reach = len(last.text) - longest
         k, c = len(last.seg_lens), len(last.text)

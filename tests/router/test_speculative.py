@@ -96,9 +96,19 @@ def test_a_calm_sessions_next_turn_goes_out_before_it_is_parsed(
             _stream_ok(await c.post(URL, json=_body(FIRST), headers=headers))
             assert events == ["parsed"]  # a first turn: nothing on record
             events.clear()
+            reads = []
+            get = rt.sessions.get
+
+            async def counted(session: str) -> Any:
+                reads.append(session)
+                return await get(session)
+
+            rt.sessions.get = counted  # type: ignore[method-assign]
             r = await c.post(URL, json=_body(LATER), headers=headers)
+            rt.sessions.get = get  # type: ignore[method-assign]
             _stream_ok(r)
             assert events == [f"speculative call to {worker}", "parsed"]
+            assert reads == ["agent-1"]  # the record the call went on, not read again
             assert f"decode={worker};" in r.headers["x-beamserve-route"]
             assert "band=continuing" in r.headers["x-beamserve-route"]
             text = (await c.get("/metrics")).text
