@@ -318,6 +318,7 @@ class _Worker:
     served: int = 0
     resting_tokens: int = 0  # context of the sessions resting here (`LoadBook.rest`)
     resting: int = 0
+    rested_at: float | None = None  # when a session's turn last ended here
     # this replica's requests decoding here (`first_token` to `finish`): id(flight) → flight,
     # read by the pace hold (`beamserve.router.flow.pace_hold`)
     streaming: dict[int, Flight] = field(default_factory=dict)
@@ -567,6 +568,7 @@ class LoadBook:
         w = self._w(worker)
         w.resting_tokens += context_tokens
         w.resting += 1
+        w.rested_at = now
         self._expire(now)
 
     def wake(self, session: str | None) -> None:
@@ -851,6 +853,8 @@ class LoadBook:
             self._pace(w, now) if w.log_itl is not None else None,
             None if w.log_itl_alone is None else math.exp(w.log_itl_alone),
             _head_tokens(w),
+            w.resting if w.resting > 0 else 0,
+            None if w.rested_at is None else max(now - w.rested_at, 0.0),
         )
 
     def served(self, worker: str) -> int:

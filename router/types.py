@@ -147,7 +147,9 @@ class WorkerLoad:
     `scraped_age_s` seconds ago (None: never scraped); consumers discount stale scrapes.
     `resting_tokens`: context of the sessions resting here — their last turn ended on this
     worker less than the rest window ago and their next has not arrived (`LoadBook.rest`):
-    decodes that will be back within a think time.
+    decodes that will be back within a think time. `resting`: how many sessions that is;
+    `since_rest_s`: seconds since a session's turn last ended here, resting now or not (None:
+    none yet).
     `decode_itl_s`: seconds per output token of the requests that recently finished decoding
     here, as this replica timed them (`LoadBook.decoded`); None when there is no recent one or
     nothing of this replica decodes here now. `decode_itl_alone_s`: the same, of the requests
@@ -171,6 +173,8 @@ class WorkerLoad:
     decode_itl_s: float | None = None
     decode_itl_alone_s: float | None = None
     head_prefill_tokens: int = 0
+    resting: int = 0
+    since_rest_s: float | None = None
 
     @property
     def effective_prefill_tokens(self) -> int:

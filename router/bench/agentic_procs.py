@@ -615,13 +615,14 @@ _LULL_SPILL = _merged(
 
 def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
     """`beamserve-adaptive-spill`'s argv with the JSON in `var` (``{"flow": {...},
-    "pool_roles": {...}, "saturation": {...}}``) merged into its `--flow` and its
-    disaggregation's `pool_roles`, and the last as its `--saturation` (the bench's `-spill-z` /
-    `-spill-w` experiment routers)."""
+    "pool_roles": {...}, "saturation": {...}, "policy": {...}}``) merged into its `--flow` and
+    its disaggregation's `pool_roles`, the third as its `--saturation` and the last as its
+    `--policy` (the bench's `-spill-z` / `-spill-w` experiment routers)."""
     z = json.loads(os.environ.get(var, "{}"))
     args = _merged(_SHIPPED_SPILL, z.get("flow", {}), z.get("pool_roles", {}))
-    if "saturation" in z:
-        args += ("--saturation", json.dumps(z["saturation"]))
+    for key in ("saturation", "policy"):
+        if key in z:
+            args += (f"--{key}", json.dumps(z[key]))
     return args
 
 

@@ -16,8 +16,10 @@ uncached tokens, a partial hit recomputing its window tail, over the prefill rat
         otherwise stay on w₀                             → reason "sticky"
     no warm worker among the candidates:
         pick argmin_w ttft(w)  (ties — with router replicas in sync, every worker within
-                                `tie_window_s` of the least estimate — by a stable hash
-                                of the session/request id; in a burst — with peers, this
+                                `tie_window_s` of the least estimate — to the fewest
+                                sessions resting there, none resting: to the longest
+                                since a turn ended there (`tie_by_resting`), then by a
+                                stable hash of the session/request id; in a burst — with peers, this
                                 replica's previous decision under `burst_gap_s` ago — the
                                 workers within `burst_window_s` of the least, ranked by
                                 estimate, and replica r of the peers takes the r-th)
@@ -98,6 +100,7 @@ window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 | `burst_window_s` | ``0.1`` | with peers, in a burst: estimates this near the least rank (s) |
 | `burst_gap_s` | ``0.01`` | a burst: this replica's previous decision less than this ago (s) |
 | `hold_when_saturated` | ``true`` | never leave the warm worker while the pool is saturated |
+| `tie_by_resting` | ``true`` | ties: fewest resting sessions, then (none) longest since a turn ended |
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
@@ -134,6 +137,22 @@ class StickyParams(TTFTParams):
     burst_window_s: float = Field(default=0.1, ge=0.0)
     burst_gap_s: float = Field(default=0.01, ge=0.0)
     hold_when_saturated: bool = True
+    tie_by_resting: bool = True
+
+
+def _least_resting(tied: Sequence[WorkerView]) -> Sequence[WorkerView]:
+    """Of equally good workers, those with the fewest sessions resting (their next turn will
+    be back there); where none rests, those whose last turn ended longest ago (a session just
+    past the rest window may still come back; one long quiet is likelier gone)."""
+    fewest = min(v.load.resting for v in tied)
+    tied = [v for v in tied if v.load.resting == fewest]
+    if fewest == 0 and len(tied) > 1:
+        never = [v for v in tied if v.load.since_rest_s is None]
+        if never:
+            return never
+        quiet = max(v.load.since_rest_s or 0.0 for v in tied)
+        tied = [v for v in tied if v.load.since_rest_s == quiet]
+    return tied
 
 
 def should_leave_warm(
@@ -224,6 +243,8 @@ class StickyUntilSaturated:
         w = p.tie_window_s
         window = w if w > 0 and request.router_peers > 0 else 1e-12
         tied = [v for v in views if est[v.endpoint.id].seconds <= best + window]
+        if p.tie_by_resting and len(tied) > 1:
+            tied = _least_resting(tied)
         return break_tie(request, tied)
 
     def _explain(

@@ -126,6 +126,7 @@ def test_resting_tokens_are_the_sessions_resting_within_the_window(
             want = [e for e in model.values() if e[0] == w]
             assert b.load(w).resting_tokens == sum(e[2] for e in want)
             assert b.resting_sessions(w) == len(want)
+            assert b.load(w).resting == len(want)
 
 
 PARAMS = StickyParams(
@@ -176,6 +177,84 @@ def test_resting_does_not_move_a_warm_session() -> None:
     )
     d = StickyUntilSaturated(params=PARAMS).route(request(8_192), [warm, view("b")])
     assert (d.decode.id, d.reason) == ("a", "sticky")
+
+
+def test_ties_go_to_the_worker_with_the_fewest_resting_sessions() -> None:
+    # Default parameters: resting context is not priced, so the three idle workers' estimates
+    # are equal; the tie goes to those with the fewest sessions resting, then by the hash.
+    def resting(wid: str, n: int, **kw: int) -> object:
+        v = view(wid, **kw)
+        return replace(v, load=replace(v.load, resting=n, resting_tokens=10_000 * n))
+
+    views = [resting("a", 2), resting("b", 1), resting("c", 1), resting("d", 0, prefill=4_000)]
+    on = StickyUntilSaturated(params=StickyParams(prefill_tok_s=10_000.0))
+    off = StickyUntilSaturated(
+        params=StickyParams(prefill_tok_s=10_000.0, tie_by_resting=False)
+    )
+    assert StickyParams().tie_by_resting
+
+    def picks(policy: StickyUntilSaturated, vs: list) -> set[str]:  # type: ignore[type-arg]
+        return {
+            policy.route(replace(request(8_192), session_id=f"new-{i}"), vs).decode.id
+            for i in range(40)
+        }
+
+    assert picks(on, views) == {"b", "c"}  # both: the hash still spreads equals
+    assert picks(off, views) == {"a", "b", "c"}  # the hash alone
+    # none resting on either: the one whose last turn ended longest ago (a session just past
+    # the rest window may be back); never used counts as longest
+    def quiet(wid: str, since: float) -> object:
+        v = view(wid)
+        return replace(v, load=replace(v.load, since_rest_s=since))
+
+    assert picks(on, [quiet("a", 1.2), quiet("b", 9.0), quiet("c", 3.0)]) == {"b"}
+    assert picks(on, [quiet("a", 1.2), view("b"), view("c")]) == {"b", "c"}
+    assert picks(off, [quiet("a", 1.2), quiet("b", 9.0), quiet("c", 3.0)]) == {"a", "b", "c"}
+    # where sessions rest, how long ago does not choose (a thinking session and one that
+    # has just ended look alike): the hash does
+    b1, c1 = (replace(v, load=replace(v.load, since_rest_s=t)) for v, t in
+              ((resting("b", 1), 0.1), (resting("c", 1), 2.0)))  # fmt: skip
+    assert picks(on, [resting("a", 2), b1, c1]) == {"b", "c"}
+    # the count only breaks ties: a cheaper worker wins whatever rests on it
+    assert picks(on, [resting("a", 3), resting("b", 0, prefill=500)]) == {"a"}
+    # and a warm session's move goes to the fewest-resting of its tied alternatives
+    warm = replace(view("w", warm=True, blocks=128, prefill=60_000))
+    moved = {
+        on.route(replace(request(8_192), session_id=f"s-{i}"), [warm, *views[:3]]).decode.id
+        for i in range(20)
+    }
+    assert moved == {"b", "c"}
+
+
+def test_the_core_places_a_new_session_beside_fewer_resting_ones() -> None:
+    # The default policy over the core's own book: a worker whose session is between turns
+    # is not where a new session goes while another worker has none.
+    clock = Clock()
+    core = RoutingCore(StickyUntilSaturated(), clock=clock)
+    eps = endpoints()
+
+    def turn(sid: str, warm: str | None = None) -> str:
+        d = core.open(RouteRequest(request_id=f"{sid}-r", prompt_tokens=4_000, session_id=sid))
+        decision = core.route(d, eps, warm)
+        core.first_token(d)
+        core.finish(d, output_tokens=64)
+        return decision.decode.id
+
+    first = turn("s1")
+    assert core.loads.load(first).resting == 1
+    for i in range(10):
+        sid = f"s2-{i}"
+        assert turn(sid) != first
+        core.loads.wake(sid)
+    # s1 rested past the window: nothing rests anywhere, and the worker quiet the longest wins
+    clock.t += core.loads.rest_window_s + 0.1
+    assert core.loads.load(first).resting == 0
+    assert core.loads.load(first).since_rest_s > core.loads.rest_window_s
+    for i in range(10):
+        assert turn(sid := f"s3-{i}") == first  # the other one's last turn ended just now
+        core.loads.wake(sid)
+        clock.t += core.loads.rest_window_s + 0.1
+        first = next(e.id for e in eps if e.id != first)  # and now this one's has
 
 
 def endpoints() -> list[Endpoint]:
