@@ -59,7 +59,12 @@ from beamserve.router.api.sse import (
 from beamserve.router.core import Dispatch, RoutingCore
 from beamserve.router.flow import FlowController, Shed, Ticket
 from beamserve.router.flow.pace_hold import PaceHold
-from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
+from beamserve.router.flow.pieces import (
+    PrefillPieces,
+    piece_cuts,
+    wants_first_pieces,
+    wants_pieces,
+)
 from beamserve.router.flow.saturation import SaturationDetector, worker_saturation
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
@@ -226,6 +231,7 @@ class Router:
         self.metrics = RouterMetrics(self._live)
         self._pace_hold = flow.config.pace_hold()
         self._pieces = flow.config.prefill_pieces()
+        self._first_pieces = flow.config.prefill_first_piece_tokens
         self._live_session_s = flow.config.live_session_s
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
@@ -745,8 +751,11 @@ class Router:
             hashing_s = 0.0
             sent = self._sent(d, decision, turn)
             protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
+            beside = self._first_beside_others(d, decision)
             if turn.tail is not None and (
-                decision.prefill is not None or (protect and self._sized_by_turn_rules(d))
+                decision.prefill is not None
+                or beside
+                or (protect and self._sized_by_turn_rules(d))
             ):
                 await self._settle(turn)  # a prefill leg, a hold or pieces go on the whole prompt
             if decision.prefill is not None:
@@ -760,6 +769,8 @@ class Router:
                     await self._hold_for_pace(d, self._pace_hold, turn.spec)
                 if self._pieces is not None and protect:
                     await self._prefill_in_pieces(turn, decision, self._pieces)
+                if beside:
+                    await self._prefill_first_in_pieces(turn, decision)
                 if turn.call.stream:
                     return await self._stream(turn, decision, sent)
                 return await self._unary(turn, decision, sent)
@@ -845,6 +856,24 @@ class Router:
             expired=expired,
         )
 
+    def _first_beside_others(self, d: Dispatch, decision: RouteDecision) -> bool:
+        """Is this a new session's first turn that prefills on its decode worker while other
+        sessions live there, as this replica sees them (a request of theirs in flight there,
+        or one resting between turns)? With `flow.prefill_first_piece_tokens` on, it goes in
+        pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
+        piece = self._first_pieces
+        if piece is None or d.request.band != "new" or d.flight is None:
+            return False
+        ld = self.core.loads.load(decision.decode.id)
+        return wants_first_pieces(
+            piece,
+            d.request.band,
+            decision.prefill is not None,
+            d.spilled,
+            d.flight.prefill_tokens,
+            ld.resting > 0 or ld.in_flight > 1,  # this request is one of those in flight
+        )
+
     async def _prefill_in_pieces(
         self, turn: _Turn, decision: RouteDecision, rule: PrefillPieces
     ) -> None:
@@ -857,8 +886,27 @@ class Router:
         split = decision.prefill is not None
         if not wants_pieces(rule, rreq.band, split, f.prefill_tokens, spilled=d.spilled):
             return
+        await self._send_pieces(turn, decision, rule.piece_tokens)
+
+    async def _prefill_first_in_pieces(self, turn: _Turn, decision: RouteDecision) -> None:
+        """A first turn beside live sessions (`_first_beside_others`), now keyed whole: its
+        prefixes in pieces of `flow.prefill_first_piece_tokens`, when it still has more than
+        one piece uncached."""
+        d, piece = turn.dispatch, self._first_pieces
+        f = d.flight
+        if piece is None or f is None or d.request.token_ids is None:
+            return
+        if f.prefill_tokens > piece:
+            await self._send_pieces(turn, decision, piece)
+
+    async def _send_pieces(self, turn: _Turn, decision: RouteDecision, piece_tokens: int) -> None:
+        """The prompt's prefixes, `piece_tokens` more each, to the decode worker, one after
+        the other (`piece_cuts`); any failure just ends them."""
+        d = turn.dispatch
+        rreq, f = d.request, d.flight
+        assert f is not None and rreq.token_ids is not None
         ids = rreq.token_ids()
-        cuts = piece_cuts(len(ids), f.prefill_tokens, rule.piece_tokens, self.hasher.block_size)
+        cuts = piece_cuts(len(ids), f.prefill_tokens, piece_tokens, self.hasher.block_size)
         if not cuts:
             return
         self._call_off(turn.spec)  # the pieces go first

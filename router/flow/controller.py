@@ -306,6 +306,8 @@ class FlowConfig(BaseModel):
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
     | `prefill_piece_tokens` | ``1024`` | … of this many tokens each |
+    | `prefill_first_piece_tokens` | off | a new session's first turn prefilled where other |
+    |  |  | sessions live is sent in pieces of this many tokens (`beamserve.router.flow.pieces`) |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -344,6 +346,7 @@ class FlowConfig(BaseModel):
     pace_hold_prefill_tok_s: float = Field(default=38000.0, gt=0)
     prefill_piece_min_tokens: int | None = Field(default=None, ge=1)
     prefill_piece_tokens: int = Field(default=1024, ge=1)
+    prefill_first_piece_tokens: int | None = Field(default=None, ge=1)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:

@@ -54,10 +54,26 @@ against 66; with it, the pool's goodput 1.25–1.28 × the best gateway's over f
 Off by default: it adds requests and TTFT to the long turns it paces, for the users beside
 them; it pays where those users are many and the engine's step budget is large.
 
+**First turns beside live sessions** (`prefill_first_piece_tokens`). An engine schedules the
+requests it is already running before those that wait: a long first turn being prefilled in
+chunks takes each step's whole budget until its last chunk, and a continuing turn that arrives
+on that worker meanwhile — a session that was thinking between turns there — waits for all of
+it (a 75K-token prompt: 2.5 s on `h200-bf16-tp8`), though its own prefill is a few hundred
+tokens. The pool's placement avoids this where it can (a new session goes to a worker where no
+session rests); where it cannot, a first turn that prefills on its decode worker while other
+sessions live there (a request of theirs in flight, or one resting between turns,
+`WorkerLoad.resting`) is sent in pieces of `prefill_first_piece_tokens`, as above from its first
+token: a turn that arrives meanwhile waits for one piece at most, and goes before the next. The
+engine's step budget is the natural size (8,192 on the sim's profile): each piece is then one
+step, and the first turn pays a round trip per piece (≈ 1–3 ms each) plus the turns it lets
+through. A worker with nobody else on it gets the prompt whole.
+
 | key (`flow`) | default | meaning |
 |---|---|---|
 | `prefill_piece_min_tokens` | ``null`` | uncached tokens that make a turn one (null: off) |
 | `prefill_piece_tokens` | ``1024`` | tokens of prefill per piece |
+| `prefill_first_piece_tokens` | ``null`` | a first turn beside live sessions: tokens per piece |
+|  |  | (null: off) |
 
 Config example: ``flow: {prefill_piece_min_tokens: 4096, prefill_piece_tokens: 1024}``.
 Only the HTTP front door sends pieces: the ext_proc picker sends nothing upstream itself.
@@ -91,6 +107,28 @@ def piece_cuts(prompt_tokens: int, uncached: int, piece: int, block: int) -> lis
             cuts.append(cut)
         n += piece
     return cuts
+
+
+def wants_first_pieces(
+    piece_tokens: int | None,
+    band: str,
+    split: bool,
+    spilled: bool,
+    uncached: int,
+    others_here: bool,
+) -> bool:
+    """Is this new session's first turn prefilled in pieces of `piece_tokens` (module
+    docstring, "First turns beside live sessions"): prefilled on its decode worker (not split,
+    not spilled — the continuing rule paces a spilled one), more than one piece of uncached
+    tokens, and other sessions living on that worker (`others_here`)."""
+    return (
+        piece_tokens is not None
+        and band == "new"
+        and not split
+        and not spilled
+        and uncached > piece_tokens
+        and others_here
+    )
 
 
 def wants_pieces(

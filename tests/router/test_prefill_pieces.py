@@ -12,7 +12,12 @@ from typing import Any
 import httpx
 import pytest
 from beamserve.router.flow import FlowConfig, FlowConfigError
-from beamserve.router.flow.pieces import PrefillPieces, piece_cuts, wants_pieces
+from beamserve.router.flow.pieces import (
+    PrefillPieces,
+    piece_cuts,
+    wants_first_pieces,
+    wants_pieces,
+)
 from beamserve.router.pd import UpstreamError
 from beamserve.router.server import RouterRuntime
 from hypothesis import given
@@ -72,6 +77,24 @@ def test_config_is_off_by_default_and_checked() -> None:
     assert rule == PrefillPieces(2048, 1024)
     with pytest.raises(FlowConfigError, match="prefill_piece_tokens"):
         FlowConfig.from_mapping({"prefill_piece_min_tokens": 2048, "prefill_piece_tokens": 0})
+
+
+def test_a_first_turn_goes_in_pieces_only_beside_live_sessions() -> None:
+    assert wants_first_pieces(8192, "new", False, False, 20_000, True)
+    assert not wants_first_pieces(8192, "new", False, False, 20_000, False)  # nobody to spare
+    assert not wants_first_pieces(None, "new", False, False, 20_000, True)  # off
+    assert not wants_first_pieces(8192, "continuing", False, False, 20_000, True)
+    assert not wants_first_pieces(8192, "new", True, False, 20_000, True)  # split
+    assert not wants_first_pieces(8192, "new", False, True, 20_000, True)  # spilled: that rule's
+    assert not wants_first_pieces(8192, "new", False, False, 8192, True)  # one piece: whole
+    assert wants_first_pieces(8192, "new", False, False, 8193, True)
+
+
+def test_first_turn_pieces_are_off_by_default_and_checked() -> None:
+    assert FlowConfig().prefill_first_piece_tokens is None
+    assert FlowConfig.from_mapping({"prefill_first_piece_tokens": 8192}).prefill_pieces() is None
+    with pytest.raises(FlowConfigError, match="prefill_first_piece_tokens"):
+        FlowConfig.from_mapping({"prefill_first_piece_tokens": 0})
 
 
 # --- through the router ----------------------------------------------------------------------
@@ -219,3 +242,47 @@ def test_each_answered_piece_leaves_the_worker_s_books(spawn_worker: SpawnWorker
     # the first piece went with the whole new part booked; the last with only what is left
     assert booked[0][1] > booked[-1][1] > 0
     nothing_booked(rt, worker)
+
+
+@pytest.mark.parametrize("repeat", [400, 1500])  # keyed whole; routed on its head (HEAD_CHARS)
+def test_a_first_turn_beside_a_resting_session_goes_in_pieces(
+    spawn_worker: SpawnWorker, repeat: int
+) -> None:
+    """256-token first-turn pieces: a long first turn with the worker to itself goes whole; the
+    next session's long first turn, while the first one rests there between turns, goes in
+    pieces that its answer finds cached; a short one goes whole; nothing stays booked."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_over(w.url, prefill_first_piece_tokens=256)
+
+    def first(text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": text + " line of output" * repeat}]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            r = await c.post(URL, json={"model": "beam", "messages": first("alone"),
+                                        "max_tokens": 2}, headers={"x-session-id": "a"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            text = (await c.get("/metrics")).text
+            assert metric(text, "beamserve_router_prefill_pieces_total") == 0
+            assert rt.core.loads.load(worker).resting == 1  # session a, between turns
+            r = await c.post(URL, json={"model": "beam", "messages": first("beside"),
+                                        "max_tokens": 2, "stream": True,
+                                        "stream_options": {"include_usage": True}},
+                             headers={"x-session-id": "b"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            text = (await c.get("/metrics")).text
+            pieces = metric(text, "beamserve_router_prefill_pieces_total")
+            assert pieces >= 4, text
+            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
+            async with httpx.AsyncClient() as direct:
+                served = (await direct.get(w.url + "/metrics")).text
+            assert metric(served, "vllm:request_success_total") == 2 + pieces
+            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
+                             headers={"x-session-id": "c"})  # fmt: skip
+            assert r.status_code == 200
+            text = (await c.get("/metrics")).text
+            assert metric(text, "beamserve_router_prefill_pieces_total") == pieces
+            nothing_booked(rt, worker)
+
+    asyncio.run(main())
