@@ -496,7 +496,7 @@ class FlowControlSpec(_Model):
     """Tokens of prefill per piece."""
     prefill_first_piece_tokens: Annotated[int, Field(ge=1)] | None = None
     """A new session's first turn, prefilled on a worker where other sessions live (a
-    request of theirs in flight, or one resting between turns), is sent in pieces of this many
+    request of theirs streaming, or one resting between turns), is sent in pieces of this many
     tokens, so their next turns wait for one piece at most instead of the whole prompt; the
     engine's step budget (maxNumBatchedTokens) is the natural size; null: off
     (docs/policies.md, "First turns beside live sessions")."""

@@ -858,20 +858,19 @@ class Router:
 
     def _first_beside_others(self, d: Dispatch, decision: RouteDecision) -> bool:
         """Is this a new session's first turn that prefills on its decode worker while other
-        sessions live there, as this replica sees them (a request of theirs in flight there,
-        or one resting between turns)? With `flow.prefill_first_piece_tokens` on, it goes in
-        pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
+        sessions live there, as this replica sees them (one streaming there, or one resting
+        between turns: `LoadBook.lives_beside`)? With `flow.prefill_first_piece_tokens` on, it
+        goes in pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
         piece = self._first_pieces
         if piece is None or d.request.band != "new" or d.flight is None:
             return False
-        ld = self.core.loads.load(decision.decode.id)
         return wants_first_pieces(
             piece,
             d.request.band,
             decision.prefill is not None,
             d.spilled,
             d.flight.prefill_tokens,
-            ld.resting > 0 or ld.in_flight > 1,  # this request is one of those in flight
+            self.core.loads.lives_beside(decision.decode.id),
         )
 
     async def _prefill_in_pieces(

@@ -599,6 +599,18 @@ class LoadBook:
                 n += peers.counts(wid, now).in_flight
         return n
 
+    def lives_beside(self, worker: str) -> bool:
+        """Do sessions live on `worker` whose next tokens a long prefill there would hold up:
+        one resting between turns, or a request of this replica's past its first token there
+        (streaming). Requests still in their own prefill do not count: they wait in the
+        engine's order either way."""
+        w = self._workers.get(worker)
+        if w is None:
+            return False
+        if self._rest:
+            self._expire(self.clock())
+        return w.resting > 0 or bool(w.streaming)
+
     def resting_sessions(self, worker: str) -> int:
         """How many sessions rest on `worker` now (the `/metrics` gauge)."""
         if self._rest:

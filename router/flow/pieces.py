@@ -61,9 +61,13 @@ on that worker meanwhile — a session that was thinking between turns there —
 it (a 75K-token prompt: 2.5 s on `h200-bf16-tp8`), though its own prefill is a few hundred
 tokens. The pool's placement avoids this where it can (a new session goes to a worker where no
 session rests); where it cannot, a first turn that prefills on its decode worker while other
-sessions live there (a request of theirs in flight, or one resting between turns,
-`WorkerLoad.resting`) is sent in pieces of `prefill_first_piece_tokens`, as above from its first
-token: a turn that arrives meanwhile waits for one piece at most, and goes before the next. The
+sessions live there (a request of theirs past its first token, or a session resting between
+turns: `LoadBook.lives_beside`) is sent in pieces of `prefill_first_piece_tokens`, as above from
+its first token: a turn that arrives meanwhile waits for one piece at most, and goes before the
+next. Other first turns still in their prefill there do not count: in pieces beside them, the
+first turns of a burst would share the worker turn by turn and all finish late, where the
+engine's order finishes them one after the other (at 32 agents, counting them, the burst's
+first turns took 2.64 s on average against the peers' 1.73–1.80; docs/bench/agentic.md). The
 engine's step budget is the natural size (8,192 on the sim's profile): each piece is then one
 step, and the first turn pays a round trip per piece (≈ 1–3 ms each) plus the turns it lets
 through. A worker with nobody else on it gets the prompt whole.

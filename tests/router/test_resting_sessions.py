@@ -257,6 +257,24 @@ def test_the_core_places_a_new_session_beside_fewer_resting_ones() -> None:
         first = next(e.id for e in eps if e.id != first)  # and now this one's has
 
 
+def test_sessions_live_beside_where_they_rest_or_stream_not_where_they_prefill() -> None:
+    # `LoadBook.lives_beside`, what the first-turn pieces ask: a request still in its prefill
+    # does not count (it waits in the engine's order anyway); one streaming does, and so does
+    # a session resting between turns, until the rest window passes.
+    b, clock = book(rest_initial_s=1.0)
+    assert not b.lives_beside("w0")  # never seen
+    f = b.start("w0", 8_000, 8_064)
+    assert not b.lives_beside("w0")  # prefilling
+    b.first_token(f)
+    assert b.lives_beside("w0")  # streaming
+    b.finish(f)
+    assert not b.lives_beside("w0")
+    b.rest("s1", "w0", 8_064)
+    assert b.lives_beside("w0") and not b.lives_beside("w1")
+    clock.t += 1.5  # past the window
+    assert not b.lives_beside("w0")
+
+
 def endpoints() -> list[Endpoint]:
     return [Endpoint(id=w, url=f"http://{w}:8000", role="both") for w in ("w0", "w1")]
 
