@@ -753,9 +753,7 @@ class Router:
             protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
             beside = self._first_beside_others(d, decision)
             if turn.tail is not None and (
-                decision.prefill is not None
-                or beside
-                or (protect and self._sized_by_turn_rules(d))
+                decision.prefill is not None or beside or (protect and self._sized_by_turn_rules(d))
             ):
                 await self._settle(turn)  # a prefill leg, a hold or pieces go on the whole prompt
             if decision.prefill is not None:

@@ -100,7 +100,7 @@ window price its hit); `RouteRequest.prompt_tokens`, `.session_id`.
 | `burst_window_s` | ``0.1`` | with peers, in a burst: estimates this near the least rank (s) |
 | `burst_gap_s` | ``0.01`` | a burst: this replica's previous decision less than this ago (s) |
 | `hold_when_saturated` | ``true`` | never leave the warm worker while the pool is saturated |
-| `tie_by_resting` | ``true`` | ties: fewest resting sessions, then (none) longest since a turn ended |
+| `tie_by_resting` | ``true`` | ties: fewest resting sessions, then (none) longest quiet |
 | `prefill_tok_s` | ``40000`` | TTFT estimator: prefill throughput per worker (tokens/s) |
 | `decode_interference` | ``0.002`` | TTFT estimator: cost of decode context per token |
 | `overhead_s` | ``0.0`` | TTFT estimator: fixed per-request cost |
@@ -140,19 +140,19 @@ class StickyParams(TTFTParams):
     tie_by_resting: bool = True
 
 
-def _least_resting(tied: Sequence[WorkerView]) -> Sequence[WorkerView]:
+def _least_resting(tied: Sequence[WorkerView]) -> list[WorkerView]:
     """Of equally good workers, those with the fewest sessions resting (their next turn will
     be back there); where none rests, those whose last turn ended longest ago (a session just
     past the rest window may still come back; one long quiet is likelier gone)."""
     fewest = min(v.load.resting for v in tied)
-    tied = [v for v in tied if v.load.resting == fewest]
-    if fewest == 0 and len(tied) > 1:
-        never = [v for v in tied if v.load.since_rest_s is None]
+    least = [v for v in tied if v.load.resting == fewest]
+    if fewest == 0 and len(least) > 1:
+        never = [v for v in least if v.load.since_rest_s is None]
         if never:
             return never
-        quiet = max(v.load.since_rest_s or 0.0 for v in tied)
-        tied = [v for v in tied if v.load.since_rest_s == quiet]
-    return tied
+        quiet = max(v.load.since_rest_s or 0.0 for v in least)
+        least = [v for v in least if v.load.since_rest_s == quiet]
+    return least
 
 
 def should_leave_warm(

@@ -259,8 +259,8 @@ def test_a_first_turn_beside_a_resting_session_goes_in_pieces(
 
     async def main() -> None:
         async with serving(rt) as c:
-            r = await c.post(URL, json={"model": "beam", "messages": first("alone"),
-                                        "max_tokens": 2}, headers={"x-session-id": "a"})  # fmt: skip
+            body = {"model": "beam", "messages": first("alone"), "max_tokens": 2}
+            r = await c.post(URL, json=body, headers={"x-session-id": "a"})
             assert r.status_code == 200, r.text
             text = (await c.get("/metrics")).text
             assert metric(text, "beamserve_router_prefill_pieces_total") == 0

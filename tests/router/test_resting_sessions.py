@@ -188,9 +188,7 @@ def test_ties_go_to_the_worker_with_the_fewest_resting_sessions() -> None:
 
     views = [resting("a", 2), resting("b", 1), resting("c", 1), resting("d", 0, prefill=4_000)]
     on = StickyUntilSaturated(params=StickyParams(prefill_tok_s=10_000.0))
-    off = StickyUntilSaturated(
-        params=StickyParams(prefill_tok_s=10_000.0, tie_by_resting=False)
-    )
+    off = StickyUntilSaturated(params=StickyParams(prefill_tok_s=10_000.0, tie_by_resting=False))
     assert StickyParams().tie_by_resting
 
     def picks(policy: StickyUntilSaturated, vs: list) -> set[str]:  # type: ignore[type-arg]
@@ -201,6 +199,7 @@ def test_ties_go_to_the_worker_with_the_fewest_resting_sessions() -> None:
 
     assert picks(on, views) == {"b", "c"}  # both: the hash still spreads equals
     assert picks(off, views) == {"a", "b", "c"}  # the hash alone
+
     # none resting on either: the one whose last turn ended longest ago (a session just past
     # the rest window may be back); never used counts as longest
     def quiet(wid: str, since: float) -> object:
@@ -251,7 +250,8 @@ def test_the_core_places_a_new_session_beside_fewer_resting_ones() -> None:
     assert core.loads.load(first).resting == 0
     assert core.loads.load(first).since_rest_s > core.loads.rest_window_s
     for i in range(10):
-        assert turn(sid := f"s3-{i}") == first  # the other one's last turn ended just now
+        sid = f"s3-{i}"
+        assert turn(sid) == first  # the other one's last turn ended just now
         core.loads.wake(sid)
         clock.t += core.loads.rest_window_s + 0.1
         first = next(e.id for e in eps if e.id != first)  # and now this one's has
