@@ -106,6 +106,21 @@ URL = "/v1/chat/completions"
 SID = {"x-session-id": "c"}
 
 
+async def pieced_once(c: httpx.AsyncClient, worker_url: str, served_before: int) -> float:
+    """After one pieced request: at least 4 pieces were sent, that request's pieces all done
+    and none missed, and the worker served them besides `served_before` requests (the pieced
+    one among them). Returns the number of pieces."""
+    text = (await c.get("/metrics")).text
+    pieces = metric(text, "beamserve_router_prefill_pieces_total")
+    assert pieces >= 4, text
+    assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+    assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
+    async with httpx.AsyncClient() as direct:
+        served = (await direct.get(worker_url + "/metrics")).text
+    assert metric(served, "vllm:request_success_total") == served_before + pieces
+    return pieces
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
     spawn_worker: SpawnWorker, stream: bool
@@ -126,14 +141,7 @@ def test_through_the_router_the_pieces_are_what_the_request_finds_cached(
                 body["stream_options"] = {"include_usage": True}
             r = await c.post(URL, json=body, headers=SID)
             assert r.status_code == 200, r.text
-            text = (await c.get("/metrics")).text
-            pieces = metric(text, "beamserve_router_prefill_pieces_total")
-            assert pieces >= 4, text
-            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
-            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
-            async with httpx.AsyncClient() as direct:
-                served = (await direct.get(w.url + "/metrics")).text
-            assert metric(served, "vllm:request_success_total") == 2 + pieces
+            pieces = await pieced_once(c, w.url, served_before=2)
             # a short continuing turn: no pieces
             short = [*LATER, {"role": "assistant", "content": "ok"},
                      {"role": "user", "content": "thanks"}]  # fmt: skip
@@ -270,14 +278,7 @@ def test_a_first_turn_beside_a_resting_session_goes_in_pieces(
                                         "stream_options": {"include_usage": True}},
                              headers={"x-session-id": "b"})  # fmt: skip
             assert r.status_code == 200, r.text
-            text = (await c.get("/metrics")).text
-            pieces = metric(text, "beamserve_router_prefill_pieces_total")
-            assert pieces >= 4, text
-            assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
-            assert metric(text, "beamserve_router_prefill_pieces_missed_total") == 0
-            async with httpx.AsyncClient() as direct:
-                served = (await direct.get(w.url + "/metrics")).text
-            assert metric(served, "vllm:request_success_total") == 2 + pieces
+            pieces = await pieced_once(c, w.url, served_before=2)
             r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
                              headers={"x-session-id": "c"})  # fmt: skip
             assert r.status_code == 200

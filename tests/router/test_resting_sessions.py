@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from beamserve.router.core import RoutingCore
@@ -225,20 +226,30 @@ def test_ties_go_to_the_worker_with_the_fewest_resting_sessions() -> None:
     assert moved == {"b", "c"}
 
 
-def test_the_core_places_a_new_session_beside_fewer_resting_ones() -> None:
-    # The default policy over the core's own book: a worker whose session is between turns
-    # is not where a new session goes while another worker has none.
+def core_with_turns(
+    policy: StickyUntilSaturated,
+) -> tuple[RoutingCore, Clock, Callable[[str], str]]:
+    """A routing core over two workers on a test clock, and `turn(sid)`: one whole turn of
+    session `sid` (routed, first token, finished), returning the worker it went to."""
     clock = Clock()
-    core = RoutingCore(StickyUntilSaturated(), clock=clock)
+    core = RoutingCore(policy, clock=clock)
     eps = endpoints()
 
-    def turn(sid: str, warm: str | None = None) -> str:
+    def turn(sid: str) -> str:
         d = core.open(RouteRequest(request_id=f"{sid}-r", prompt_tokens=4_000, session_id=sid))
-        decision = core.route(d, eps, warm)
+        decision = core.route(d, eps, None)
         core.first_token(d)
         core.finish(d, output_tokens=64)
         return decision.decode.id
 
+    return core, clock, turn
+
+
+def test_the_core_places_a_new_session_beside_fewer_resting_ones() -> None:
+    # The default policy over the core's own book: a worker whose session is between turns
+    # is not where a new session goes while another worker has none.
+    core, clock, turn = core_with_turns(StickyUntilSaturated())
+    eps = endpoints()
     first = turn("s1")
     assert core.loads.load(first).resting == 1
     for i in range(10):
@@ -280,17 +291,8 @@ def endpoints() -> list[Endpoint]:
 
 
 def test_the_core_rests_a_finished_turn_and_wakes_the_next() -> None:
-    clock = Clock()
-    core = RoutingCore(StickyUntilSaturated(params=PARAMS), clock=clock)
+    core, _, turn = core_with_turns(StickyUntilSaturated(params=PARAMS))
     eps = endpoints()
-
-    def turn(sid: str, warm: str | None = None) -> str:
-        d = core.open(RouteRequest(request_id=f"{sid}-r", prompt_tokens=4_000, session_id=sid))
-        decision = core.route(d, eps, warm)
-        core.first_token(d)
-        core.finish(d, output_tokens=64)
-        return decision.decode.id
-
     first = turn("s1")
     assert core.loads.load(first).resting_tokens == 4_064
     # a second session goes to the other worker, whatever its id hashes to
