@@ -861,7 +861,7 @@ class Router:
         goes in pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
         piece = self._first_pieces
         if piece is None or d.request.band != "new" or d.flight is None:
-            return False
+            return False  # before reading the book: this runs for every attempt
         return wants_first_pieces(
             piece,
             d.request.band,

@@ -116,6 +116,7 @@ Config example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -147,12 +148,14 @@ def _least_resting(tied: Sequence[WorkerView]) -> list[WorkerView]:
     fewest = min(v.load.resting for v in tied)
     least = [v for v in tied if v.load.resting == fewest]
     if fewest == 0 and len(least) > 1:
-        never = [v for v in least if v.load.since_rest_s is None]
-        if never:
-            return never
-        quiet = max(v.load.since_rest_s or 0.0 for v in least)
-        least = [v for v in least if v.load.since_rest_s == quiet]
+        quiet = max(_quiet_s(v) for v in least)  # never used: quiet forever
+        least = [v for v in least if _quiet_s(v) == quiet]
     return least
+
+
+def _quiet_s(v: WorkerView) -> float:
+    since = v.load.since_rest_s
+    return math.inf if since is None else since
 
 
 def should_leave_warm(
