@@ -494,12 +494,15 @@ class FlowControlSpec(_Model):
     prefill in pieces")."""
     prefill_piece_tokens: Annotated[int, Field(ge=1)] = 1024
     """Tokens of prefill per piece."""
-    prefill_first_piece_tokens: Annotated[int, Field(ge=1)] | None = None
+    prefill_first_pieces: bool = True
     """A new session's first turn, prefilled on a worker where other sessions live (a
-    request of theirs streaming, or one resting between turns), is sent in pieces of this many
-    tokens, so their next turns wait for one piece at most instead of the whole prompt; the
-    engine's step budget (maxNumBatchedTokens) is the natural size; null: off
-    (docs/policies.md, "First turns beside live sessions")."""
+    request of theirs streaming, or one resting between turns), is sent in pieces, so their
+    next turns wait for one piece at most instead of the whole prompt (docs/policies.md,
+    "First turns beside live sessions")."""
+    prefill_first_piece_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Tokens per first-turn piece; null: the step budget each worker reports
+    (maxNumBatchedTokens) less room for its decodes, and no pieces on a worker that reports
+    none."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

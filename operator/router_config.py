@@ -130,6 +130,7 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_spill_lull_peak_s": config.flow_control.prefill_spill_lull_peak_seconds,
             "prefill_piece_min_tokens": config.flow_control.prefill_piece_min_tokens,
             "prefill_piece_tokens": config.flow_control.prefill_piece_tokens,
+            "prefill_first_pieces": config.flow_control.prefill_first_pieces,
             "prefill_first_piece_tokens": config.flow_control.prefill_first_piece_tokens,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,
             "pace_hold_max_s": config.flow_control.pace_hold_max_seconds,

@@ -61,6 +61,7 @@ from beamserve.router.flow import FlowController, Shed, Ticket
 from beamserve.router.flow.pace_hold import PaceHold
 from beamserve.router.flow.pieces import (
     PrefillPieces,
+    first_piece_size,
     piece_cuts,
     wants_first_pieces,
     wants_pieces,
@@ -231,7 +232,8 @@ class Router:
         self.metrics = RouterMetrics(self._live)
         self._pace_hold = flow.config.pace_hold()
         self._pieces = flow.config.prefill_pieces()
-        self._first_pieces = flow.config.prefill_first_piece_tokens
+        self._first_pieces = flow.config.prefill_first_pieces
+        self._first_piece_tokens = flow.config.prefill_first_piece_tokens
         self._live_session_s = flow.config.live_session_s
         # open dispatches (by id), for `worker_report`; closed ones are swept as it grows
         self._dispatches: dict[int, Dispatch] = {}
@@ -854,16 +856,22 @@ class Router:
             expired=expired,
         )
 
+    def _first_piece(self, ep: Endpoint) -> int | None:
+        """A first turn's piece on `ep` (`first_piece_size`): `flow.prefill_first_piece_tokens`,
+        else the worker's reported step budget less room for its decodes; None: off."""
+        if not self._first_pieces:
+            return None
+        return first_piece_size(self._first_piece_tokens, ep.step_budget, self.hasher.block_size)
+
     def _first_beside_others(self, d: Dispatch, decision: RouteDecision) -> bool:
         """Is this a new session's first turn that prefills on its decode worker while other
         sessions live there, as this replica sees them (one streaming there, or one resting
-        between turns: `LoadBook.lives_beside`)? With `flow.prefill_first_piece_tokens` on, it
-        goes in pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
-        piece = self._first_pieces
-        if piece is None or d.request.band != "new" or d.flight is None:
+        between turns: `LoadBook.lives_beside`)? With `flow.prefill_first_pieces` on, it goes
+        in pieces (`beamserve.router.flow.pieces`, "First turns beside live sessions")."""
+        if not self._first_pieces or d.request.band != "new" or d.flight is None:
             return False  # before reading the book: this runs for every attempt
         return wants_first_pieces(
-            piece,
+            self._first_piece(decision.decode),
             d.request.band,
             decision.prefill is not None,
             d.spilled,
@@ -887,9 +895,8 @@ class Router:
 
     async def _prefill_first_in_pieces(self, turn: _Turn, decision: RouteDecision) -> None:
         """A first turn beside live sessions (`_first_beside_others`), now keyed whole: its
-        prefixes in pieces of `flow.prefill_first_piece_tokens`, when it still has more than
-        one piece uncached."""
-        d, piece = turn.dispatch, self._first_pieces
+        prefixes in pieces (`_first_piece`), when it still has more than one piece uncached."""
+        d, piece = turn.dispatch, self._first_piece(decision.decode)
         f = d.flight
         if piece is None or f is None or d.request.token_ids is None:
             return

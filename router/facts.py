@@ -6,10 +6,12 @@ router's length check, the router asks it (`probe_facts`):
 
 - ``GET /v1/models`` (vLLM and SGLang both serve it): `max_model_len` of the served model;
   beamserve's workers add their KV geometry to the entry (`block_size`, `sliding_window`,
-  `kv_hash_scheme`, `kv_event_format`).
+  `kv_hash_scheme`, `kv_event_format`) and their step budget (`max_num_batched_tokens`, vLLM's
+  flag of that name).
 - ``GET /server_info`` (SGLang's surface only; vLLM answers 404): `disaggregation_mode`
   (``null`` | ``prefill`` | ``decode``), `disaggregation_bootstrap_port`, `page_size`,
-  `context_length` (and, from beamserve's workers, the geometry fields above). Its presence is
+  `context_length`, `chunked_prefill_size` (and, from beamserve's workers, the geometry fields
+  above). Its presence is
   what marks the SGLang surface, whatever the labels say.
 
 `apply_facts(endpoint, facts)` (pure) folds the answers into the `Endpoint`:
@@ -28,6 +30,7 @@ router's length check, the router asks it (`probe_facts`):
 | `geometry.sliding_window` | `sliding_window` (either answer) | `/v1/models` `sliding_window` |
 | `geometry.hash_scheme` / `event_format` | reported, else ``sglang`` | reported, else the default |
 | `prefix_caching` | `prefix_caching`, else not `disable_radix_cache` | `prefix_caching` |
+| `step_budget` | `chunked_prefill_size`, else `max_num_batched_tokens` | `max_num_batched_tokens` |
 
 The geometry (`beamserve.kvwire.geometry.KVGeometry`) is the router's default (its
 `--block-size`, `--sliding-window`, `--hash-scheme`) with what the worker reported laid over it;
@@ -73,6 +76,7 @@ class WorkerFacts:
     hash_scheme: str | None = None
     event_format: str | None = None
     prefix_caching: bool | None = None  # None: not reported (assumed to cache)
+    step_budget: int | None = None  # tokens per engine step; None: not reported
 
     def geometry(self, default: KVGeometry = DEFAULT_GEOMETRY) -> KVGeometry | None:
         """`default` with what the worker reported laid over it (the SGLang surface hashes and
@@ -139,6 +143,7 @@ def facts_from(
     events = _scheme(reported("kv_event_format"))
     block_size = _positive_int(first.get("block_size"))
     caching = _prefix_caching(reported("prefix_caching"), info.get("disable_radix_cache"))
+    budget = _positive_int(reported("max_num_batched_tokens"))
     if isinstance(server_info, Mapping) and "disaggregation_mode" in server_info:
         mode = str(server_info.get("disaggregation_mode") or "null")
         context = _positive_int(server_info.get("context_length"))
@@ -153,6 +158,7 @@ def facts_from(
             hash_scheme=scheme,
             event_format=events,
             prefix_caching=caching,
+            step_budget=_positive_int(server_info.get("chunked_prefill_size")) or budget,
         )
     return WorkerFacts(
         api="vllm",
@@ -163,6 +169,7 @@ def facts_from(
         hash_scheme=scheme,
         event_format=events,
         prefix_caching=caching,
+        step_budget=budget,
     )
 
 
@@ -211,6 +218,7 @@ def apply_facts(
         max_model_len=facts.max_model_len,
         geometry=facts.geometry(default),
         prefix_caching=facts.prefix_caching,
+        step_budget=facts.step_budget,
     )
 
 

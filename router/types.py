@@ -43,7 +43,10 @@ class Endpoint:
     as it reported it; None: it reported none, so the router's default geometry (its flags)
     applies (`RoutingCore.geometry_of`); `prefix_caching` — False when it keeps no prompt's KV
     for later requests (SGLang's `disable_radix_cache`, a ref decode worker): the router then
-    predicts no blocks there (None: not reported, assumed to cache).
+    predicts no blocks there (None: not reported, assumed to cache); `step_budget` — the prompt
+    and decode tokens its engine puts into one step (vLLM's `max_num_batched_tokens`, SGLang's
+    `chunked_prefill_size`; None: not reported), which sizes a first turn's pieces
+    (`beamserve.router.flow.pieces`).
     """
 
     id: str
@@ -63,6 +66,7 @@ class Endpoint:
     max_model_len: int | None = None
     geometry: KVGeometry | None = None
     prefix_caching: bool | None = None
+    step_budget: int | None = None
 
     def label(self, name: str) -> str | None:
         for k, v in self.labels:

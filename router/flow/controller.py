@@ -306,8 +306,10 @@ class FlowConfig(BaseModel):
     | `prefill_piece_min_tokens` | off | a continuing turn with this many uncached tokens on its |
     |  |  | decode worker is prefilled in pieces (`beamserve.router.flow.pieces`) |
     | `prefill_piece_tokens` | ``1024`` | … of this many tokens each |
-    | `prefill_first_piece_tokens` | off | a new session's first turn prefilled where other |
-    |  |  | sessions live is sent in pieces of this many tokens (`beamserve.router.flow.pieces`) |
+    | `prefill_first_pieces` | on | a new session's first turn prefilled where other sessions |
+    |  |  | live is sent in pieces (`beamserve.router.flow.pieces`) … |
+    | `prefill_first_piece_tokens` | ``null`` | … of this many tokens (null: the worker's own |
+    |  |  | step budget, less room for its decodes) |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -346,6 +348,7 @@ class FlowConfig(BaseModel):
     pace_hold_prefill_tok_s: float = Field(default=38000.0, gt=0)
     prefill_piece_min_tokens: int | None = Field(default=None, ge=1)
     prefill_piece_tokens: int = Field(default=1024, ge=1)
+    prefill_first_pieces: bool = True
     prefill_first_piece_tokens: int | None = Field(default=None, ge=1)
 
     @classmethod

@@ -54,7 +54,7 @@ against 66; with it, the pool's goodput 1.25–1.28 × the best gateway's over f
 Off by default: it adds requests and TTFT to the long turns it paces, for the users beside
 them; it pays where those users are many and the engine's step budget is large.
 
-**First turns beside live sessions** (`prefill_first_piece_tokens`). An engine schedules the
+**First turns beside live sessions** (`prefill_first_pieces`, on). An engine schedules the
 requests it is already running before those that wait: a long first turn being prefilled in
 chunks takes each step's whole budget until its last chunk, and a continuing turn that arrives
 on that worker meanwhile — a session that was thinking between turns there — waits for all of
@@ -62,22 +62,36 @@ it (a 75K-token prompt: 2.5 s on `h200-bf16-tp8`), though its own prefill is a f
 tokens. The pool's placement avoids this where it can (a new session goes to a worker where no
 session rests); where it cannot, a first turn that prefills on its decode worker while other
 sessions live there (a request of theirs past its first token, or a session resting between
-turns: `LoadBook.lives_beside`) is sent in pieces of `prefill_first_piece_tokens`, as above from
-its first token: a turn that arrives meanwhile waits for one piece at most, and goes before the
-next. Other first turns still in their prefill there do not count: in pieces beside them, the
-first turns of a burst would share the worker turn by turn and all finish late, where the
-engine's order finishes them one after the other (at 32 agents, counting them, the burst's
-first turns took 2.64 s on average against the peers' 1.73–1.80; docs/bench/agentic.md). The
-engine's step budget is the natural size (8,192 on the sim's profile): each piece is then one
-step, and the first turn pays a round trip per piece (≈ 1–3 ms each) plus the turns it lets
-through. A worker with nobody else on it gets the prompt whole.
+turns: `LoadBook.lives_beside`) is sent in pieces, as above from its first token: a turn that
+arrives meanwhile waits for one piece at most, and goes before the next. Other first turns
+still in their prefill there do not count: in pieces beside them, the first turns of a burst
+would share the worker turn by turn and all finish late, where the engine's order finishes
+them one after the other (at 32 agents, counting them, the burst's first turns took 2.64 s on
+average against the peers' 1.73–1.80; docs/bench/agentic.md). A worker with nobody else on it
+gets the prompt whole.
+
+The size of a piece (`first_piece_size`) is the worker's own step budget — what it reported
+(`Endpoint.step_budget`: vLLM's `max_num_batched_tokens`, SGLang's `chunked_prefill_size`) —
+less `DECODE_ROOM` tokens for the decodes that share the step (an engine fills its budget with
+the running decodes first: a piece of the whole budget beside eight streams would take a
+second step for its last eight tokens), rounded down to a whole block. Each piece is then one
+engine step, and the first turn pays a round trip per piece (≈ 1–3 ms each) plus the turns it
+lets through. `prefill_first_piece_tokens` sets the size instead; a worker that reported no
+budget, with no size set, gets its first turns whole (the router does not guess an engine's
+budget).
+
+What it moves (docs/bench/agentic.md, "First-turn pieces sized by the step budget"): the turns
+it lets through start sooner but then decode beside the pieces, so the time is shifted, not
+saved — the pool's throughput is unchanged within the runs' spread, and p90 TTFT drops
+(0.80 → 0.60–0.67 s at 16 agents).
 
 | key (`flow`) | default | meaning |
 |---|---|---|
 | `prefill_piece_min_tokens` | ``null`` | uncached tokens that make a turn one (null: off) |
 | `prefill_piece_tokens` | ``1024`` | tokens of prefill per piece |
-| `prefill_first_piece_tokens` | ``null`` | a first turn beside live sessions: tokens per piece |
-|  |  | (null: off) |
+| `prefill_first_pieces` | ``true`` | a first turn beside live sessions goes in pieces |
+| `prefill_first_piece_tokens` | ``null`` | … of this many tokens (null: the worker's step budget |
+|  |  | less `DECODE_ROOM`) |
 
 Config example: ``flow: {prefill_piece_min_tokens: 4096, prefill_piece_tokens: 1024}``.
 Only the HTTP front door sends pieces: the ext_proc picker sends nothing upstream itself.
@@ -86,6 +100,10 @@ Only the HTTP front door sends pieces: the ext_proc picker sends nothing upstrea
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+DECODE_ROOM = 256
+"""Tokens of a step's budget left to the decodes beside a first turn's piece: 256 streams at one
+token a step, or 32 at an 8-token speculative block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +129,18 @@ def piece_cuts(prompt_tokens: int, uncached: int, piece: int, block: int) -> lis
             cuts.append(cut)
         n += piece
     return cuts
+
+
+def first_piece_size(configured: int | None, step_budget: int | None, block: int) -> int | None:
+    """The tokens of a first turn's piece (module docstring): `configured` when set, else the
+    worker's `step_budget` less `DECODE_ROOM`, rounded down to a whole `block`; None (no pieces)
+    when neither is known or the budget leaves less than a block."""
+    if configured is not None:
+        return configured
+    if step_budget is None or block <= 0:
+        return None
+    piece = (step_budget - DECODE_ROOM) // block * block
+    return piece if piece > 0 else None
 
 
 def wants_first_pieces(

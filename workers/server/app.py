@@ -156,6 +156,9 @@ def build_worker_app(
     capacity = int(info.get("max_total_num_tokens") or DEFAULT_MAX_MODEL_LEN)
     limit = max_model_len or min(capacity, DEFAULT_MAX_MODEL_LEN)
     geometry = kv_geometry_report(backend.page_size, info)
+    # The engine's step budget, under vLLM's flag name: a router sizes pieces of prefill by it.
+    budget = info.get("chunked_prefill_size")
+    step = {"max_num_batched_tokens": budget} if isinstance(budget, int) and budget > 0 else {}
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -200,6 +203,7 @@ def build_worker_app(
                     "parent": None,
                     "max_model_len": limit,
                     **geometry,
+                    **step,
                 }
             ],
         }
