@@ -500,9 +500,10 @@ class FlowControlSpec(_Model):
     next turns wait for one piece at most instead of the whole prompt (docs/policies.md,
     "First turns beside live sessions")."""
     prefill_first_piece_tokens: Annotated[int, Field(ge=1)] | None = None
-    """Tokens per first-turn piece; null: the step budget each worker reports
-    (maxNumBatchedTokens) less room for its decodes, and no pieces on a worker that reports
-    none."""
+    """Tokens per first-turn piece; null: the step budget each worker reports (SGLang's
+    chunked_prefill_size, beamserve workers' max_num_batched_tokens) less room for its decodes,
+    and no pieces on a worker that reports none (stock vLLM does not: set this to its
+    max_num_batched_tokens less a few hundred)."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

@@ -41,6 +41,17 @@ from beamserve.router.policy.kv_compat import bootstrap_port_of
 from beamserve.router.types import Endpoint, RouteDecision
 
 log = structlog.get_logger(__name__)
+
+
+def dump_body(body: Any) -> bytes:
+    """A request body's bytes for a worker: orjson, or the standard encoder for what orjson
+    cannot write (an integer outside 64 bits, which the body parser keeps exact)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False).encode()
+
+
 FallbackHook = Callable[[str, str], None]  # (reason, failed worker id)
 PrefillDoneHook = Callable[[], None]  # the prefill leg answered (`RoutingCore.prefill_hook`)
 SentHook = Callable[[], None]  # the decode call's body is on its way to the worker
@@ -267,7 +278,7 @@ class Upstreams:
         try:
             async with self.http.post(
                 ep.url + path,
-                data=orjson.dumps(body),
+                data=dump_body(body),
                 headers=JSON_HEADERS,
                 timeout=t,
                 trace_request_ctx=on_sent,
@@ -397,7 +408,7 @@ class Upstreams:
         body = await self._decode_body(d, call, on_fallback, on_prefill_done)
         ep = d.decode
         return await self.open_stream(ep, self.http.post(
-            ep.url + call.path, data=orjson.dumps(body), headers=JSON_HEADERS,
+            ep.url + call.path, data=dump_body(body), headers=JSON_HEADERS,
             timeout=self.timeout, trace_request_ctx=on_sent,
         ))  # fmt: skip
 

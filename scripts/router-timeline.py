@@ -28,6 +28,11 @@ A session's next turn may go out before it is parsed (the router's speculative d
 docs/router.md): then the upstream call and its socket write come right after the body read;
 `--no-speculate` runs the router with `--no-speculative-dispatch`.
 
+`--cold` runs the router with `flow.prefill_first_pieces` off: on the one worker every new
+session lands beside the last one resting there, and a first turn beside live sessions goes in
+pieces, keyed whole before the first (docs/policies.md, "First turns beside live sessions");
+this script times the path of a long prompt that goes whole, on its head.
+
 The wrappers cost a few microseconds a stage. A stage that runs off the path to the worker
 (the predictions, after the upstream write) shows where it lands.
 """
@@ -170,6 +175,14 @@ class _FirstBody:
         await self.inner(scope, receive, stamped)
 
 
+def _with_flow(argv: list[str], extra: dict[str, object]) -> list[str]:
+    """`argv` with `extra` laid over its `--flow` JSON (added when it has none)."""
+    if "--flow" not in argv:
+        return [*argv, "--flow", json.dumps(extra)]
+    i = argv.index("--flow") + 1
+    return [*argv[:i], json.dumps({**json.loads(argv[i]), **extra}), *argv[i + 1 :]]
+
+
 async def _run(
     router_name: str, tokens: int, n: int, mode: str, max_tokens: int, speculate: bool = True
 ) -> dict[str, list[float]]:
@@ -187,6 +200,8 @@ async def _run(
         argv = spec.argv(spec, workers, 0)
         if not speculate:
             argv.append("--no-speculative-dispatch")
+        if mode == "cold":
+            argv = _with_flow(argv, {"prefill_first_pieces": False})
         args = apply_router_config(build_parser().parse_args(argv[1:]))
         rt = RouterRuntime(_discovery(args), runtime_config(args))
         await rt.start()

@@ -86,6 +86,25 @@ def test_prefix_caching_is_what_the_worker_says(
     assert apply_facts(Endpoint("w", "http://w", role="decode"), f).prefix_caching is want
 
 
+@pytest.mark.parametrize(
+    ("models", "server_info", "want"),
+    [
+        ({"data": [{"id": "a", "max_num_batched_tokens": 8192}]}, None, 8192),  # vLLM surface
+        (MODELS, info("null", chunked_prefill_size=16384), 16384),  # SGLang's own
+        (MODELS, info("null", chunked_prefill_size=-1), None),  # SGLang: chunking off
+        ({"data": [{"id": "a", "max_num_batched_tokens": 4096}]}, info("null"), 4096),
+        ({"data": [{"id": "a", "max_num_batched_tokens": "many"}]}, None, None),  # junk
+        (MODELS, None, None),  # not reported
+    ],
+)
+def test_step_budget_is_what_the_worker_says(
+    models: Any, server_info: Any, want: int | None
+) -> None:
+    f = facts_from(models, server_info)
+    assert f.step_budget == want
+    assert apply_facts(Endpoint("w", "http://w"), f).step_budget == want
+
+
 def test_no_predictions_on_a_worker_that_keeps_no_prefix() -> None:
     """A P/D dispatch predicts the prompt's blocks on both workers, except on a decode worker
     that reported it caches nothing (a ref decode worker, SGLang with --disable-radix-cache):
@@ -126,7 +145,9 @@ def test_facts_book_rebuilds_only_on_change() -> None:
 
 def test_probe_against_real_workers(spawn_worker: SpawnWorker) -> None:
     vllm = spawn_worker("--engine", "sim", "--max-model-len", "8192")
-    sg = spawn_worker("--engine", "sim", "--api", "sglang", "--role", "prefill")
+    sg = spawn_worker(
+        "--engine", "sim", "--api", "sglang", "--role", "prefill", "--max-num-batched-tokens", "384"
+    )
 
     async def main() -> list[Any]:
         async with aiohttp.ClientSession() as http:
@@ -147,3 +168,6 @@ def test_probe_against_real_workers(spawn_worker: SpawnWorker) -> None:
     for f in (v, s):
         assert f.geometry(KVGeometry.of(16, 512, "sglang")) == KVGeometry(64, window)
         assert f.prefix_caching is True  # the sim engine keeps a prefix cache by default
+    # and its step budget: the profile's, or the flag's
+    assert v.step_budget == get_profile("tiny-cpu").max_batched_tokens
+    assert s.step_budget == 384

@@ -13,7 +13,9 @@ import httpx
 import pytest
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.flow.pieces import (
+    DECODE_ROOM,
     PrefillPieces,
+    first_piece_size,
     piece_cuts,
     wants_first_pieces,
     wants_pieces,
@@ -90,8 +92,28 @@ def test_a_first_turn_goes_in_pieces_only_beside_live_sessions() -> None:
     assert wants_first_pieces(8192, "new", False, False, 8193, True)
 
 
-def test_first_turn_pieces_are_off_by_default_and_checked() -> None:
-    assert FlowConfig().prefill_first_piece_tokens is None
+@given(
+    budget=st.none() | st.integers(min_value=1, max_value=70_000),
+    block=st.sampled_from([1, 16, 32, 64, 128]),
+)
+def test_a_first_turn_piece_is_the_step_budget_less_room_for_decodes(
+    budget: int | None, block: int
+) -> None:
+    """Unset, a first turn's piece fits one engine step beside `DECODE_ROOM` decode tokens, in
+    whole blocks, as large as that allows; no budget reported, or none left: no pieces."""
+    piece = first_piece_size(None, budget, block)
+    if budget is None or budget - DECODE_ROOM < block:
+        assert piece is None
+        return
+    assert piece is not None and piece % block == 0
+    assert budget - DECODE_ROOM - block < piece <= budget - DECODE_ROOM
+    assert first_piece_size(1000, budget, block) == 1000  # a size set wins
+
+
+def test_first_turn_pieces_are_on_by_default_and_checked() -> None:
+    assert FlowConfig().prefill_first_pieces is True
+    assert FlowConfig().prefill_first_piece_tokens is None  # the worker's budget
+    assert first_piece_size(None, 8192, 16) == 8192 - 256  # the sim's h200 profile
     assert FlowConfig.from_mapping({"prefill_first_piece_tokens": 8192}).prefill_pieces() is None
     with pytest.raises(FlowConfigError, match="prefill_first_piece_tokens"):
         FlowConfig.from_mapping({"prefill_first_piece_tokens": 0})
@@ -287,3 +309,54 @@ def test_a_first_turn_beside_a_resting_session_goes_in_pieces(
             nothing_booked(rt, worker)
 
     asyncio.run(main())
+
+
+def _first_turns_beside_a_rest(
+    spawn_worker: SpawnWorker, **flow: Any
+) -> tuple[list[int], RouterRuntime, str]:
+    """Over a sim worker with a 512-token step budget: session `a`'s long first turn, then,
+    while `a` rests there, session `b`'s; returns the prompt lengths of the pieces the router
+    sent (in order), the router and the worker's id."""
+    w = spawn_worker(
+        "--engine", "sim", "--profile", "h200-bf16-tp8", "--max-num-batched-tokens", "512"
+    )
+    rt, worker = router_over(w.url, **flow)
+    cuts: list[int] = []
+    post = rt.router.upstreams.post
+
+    async def watched(ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
+        if path == "/v1/completions" and body.get("max_tokens") == 1:
+            cuts.append(len(body["prompt"]))
+        return await post(ep, path, body, timeout, **kw)
+
+    rt.router.upstreams.post = watched  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            for sid in ("a", "b"):
+                text = f"session {sid} " + " line of output" * 400
+                body = {"model": "beam", "messages": [{"role": "user", "content": text}],
+                        "max_tokens": 2}  # fmt: skip
+                r = await c.post(URL, json=body, headers={"x-session-id": sid})
+                assert r.status_code == 200, r.text
+                assert not cuts or sid == "b"  # `a` had the worker to itself: whole
+            nothing_booked(rt, worker)
+
+    asyncio.run(main())
+    return cuts, rt, worker
+
+
+def test_first_turn_pieces_by_default_are_the_worker_s_step_budget_less_room(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """With the router's defaults, the worker's reported budget (512) sizes the pieces: each
+    adds 512 − 256 tokens, so each fits one step beside the decodes; the first starts at 0."""
+    cuts, rt, worker = _first_turns_beside_a_rest(spawn_worker)
+    assert [e.step_budget for e in rt.endpoints() if e.id == worker] == [512]
+    assert len(cuts) >= 4, cuts
+    assert cuts == [256 * (i + 1) for i in range(len(cuts))], cuts
+
+
+def test_first_turn_pieces_switched_off_send_the_prompt_whole(spawn_worker: SpawnWorker) -> None:
+    cuts, _, _ = _first_turns_beside_a_rest(spawn_worker, prefill_first_pieces=False)
+    assert cuts == []
