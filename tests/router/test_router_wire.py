@@ -116,9 +116,7 @@ def test_both_role_workers_are_never_disaggregated(spawn_worker: SpawnWorker, ap
     assert metric(router.url, "beamserve_router_pd_fallbacks_total") == 0
     # no prompt's tokens computed twice (a first turn beside the session before it may go in
     # pieces: the worker then sees its prefixes as requests, and computes each token once)
-    computed = sum(
-        metric(w.url, "beamserve_worker_prefill_computed_tokens_total") for w in workers
-    )
+    computed = sum(metric(w.url, "beamserve_worker_prefill_computed_tokens_total") for w in workers)
     assert sent > 4 * 3000 and 0 < computed <= sent
     assert_books_empty(router)
 
