@@ -358,4 +358,5 @@ def _fields(f: WorkerFacts) -> dict[str, Any]:
         "hash_scheme": f.hash_scheme,
         "event_format": f.event_format,
         "prefix_caching": f.prefix_caching,
+        "step_budget": f.step_budget,
     }
