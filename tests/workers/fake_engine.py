@@ -69,17 +69,19 @@ def main() -> None:
         def log_message(self, format: str, *a: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
     def on_signal(sig: int, _frame: object) -> None:
         log(event="signal", name=signal.Signals(sig).name)
         if args.ignore_term:
             return
         draining.set()
 
+    # the handlers go in before the port answers: a supervisor that sees the engine ready
+    # may signal it at once
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
     while not draining.is_set():
         if args.exit_after is not None and time.monotonic() - t0 >= args.exit_after:
             log(event="exit", code=args.exit_code)
