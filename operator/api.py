@@ -333,7 +333,7 @@ class PoolRolesSpec(_Model):
 
     prefill_workers: Annotated[int, Field(ge=1)] = 1
     """Workers that prefill while the pool is split (the lowest ids; at least one decodes)."""
-    split_at_sessions_per_worker: Annotated[float, Field(gt=0)] = 6.0
+    split_at_sessions_per_worker: Annotated[float, Field(gt=0)] = 10.0
     """Active sessions (in flight or between turns) per worker at which the pool splits."""
     colocate_below_sessions_per_worker: Annotated[float, Field(gt=0)] | None = None
     """Per worker, below which it serves colocated again (default: ⅔ of the split line);

@@ -601,7 +601,7 @@ def _spill_x(var: str = "BS_SPILL_X") -> tuple[str, ...]:
 # (with the router's defaults: a first turn beside live sessions goes in pieces of the worker's
 # step budget, `flow.prefill_first_pieces`; docs/bench/agentic.md, "First-turn pieces sized by
 # the step budget")
-_SHIPPED_SPILL = pd_rule_adaptive(6.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000)
+_SHIPPED_SPILL = pd_rule_adaptive(10.0, 0.3, 24.0, max_tokens=98304, margin_s=0.0, tok_s=100000)
 # `beamserve-adaptive-lull`: that, and the spill in a lull of new sessions (none for 2 s: the
 # users kept at 10 tokens/s, 160K tokens queued at most; docs/bench/agentic.md, "The end of a
 # burst drained in a lull")

@@ -17,10 +17,14 @@ between turns (`LoadBook.active_sessions`), over ``n`` = the pool's ``kv_both`` 
                             without a break for settle_s seconds
 
 The gap between the two thresholds and the settle time keep a pool near the line from flapping;
-a flip costs little anyway: a session keeps its worker while it can (below). The default line, 6
-a worker, is where the agentic bench over HTTP (4 sim H200 workers, docs/bench/agentic.md, "Pool
-roles that follow the load") had the colocated pool ahead at 16 agents (4 a worker) and the
-split one ahead at 32 (8 a worker); at 3 a worker the pool split at 16 agents and lost there.
+a flip costs little anyway: a session keeps its worker while it can (below). The default line is
+10 a worker. The agentic bench over HTTP (4 sim H200 workers, docs/bench/agentic.md) first set it
+at 6 ("Pool roles that follow the load": colocated ahead at 16 agents, 4 a worker, split ahead
+at 32; at 3 a worker the pool split at 16 agents and lost there). Once the first-turn pieces
+and the tie rule had made the colocated pool faster, the line at 10 (colocated up to 40
+agents) was ahead at 32 agents in all five rounds (9,653–9,815 against 9,386–9,722
+tok/s/GPU, p90 TTFT 0.74–0.78 against 1.02–1.24 s) and level at 64 and 128 ("The pool's
+line at 10 sessions a worker").
 
 What each mode shows the rest of the router (`PoolRoles.apply`: the endpoints with their roles
 overlaid; nothing else changes, so every consumer — the policy, conditional disaggregation, the
@@ -98,7 +102,7 @@ may prefill it beside users this replica moved there, who move back on their nex
 | parameter | default | meaning |
 |---|---|---|
 | `prefill_workers` | ``1`` | workers that prefill while split (at least one decodes) |
-| `split_at_sessions_per_worker` | ``6.0`` | active sessions a worker that split the pool |
+| `split_at_sessions_per_worker` | ``10.0`` | active sessions a worker that split the pool |
 | `colocate_below_sessions_per_worker` | ``null`` | under this (null: ⅔ of the above)… |
 | `settle_s` | ``10.0`` | …for this long, the pool serves colocated again |
 | `spill_at_sessions_per_worker` | ``null`` | split, the prefill stage spills only from here |
@@ -139,7 +143,7 @@ Drain = Literal["ready", "busy", "hold"]
 
 class PoolRolesParams(PluginParams):
     prefill_workers: int = Field(default=1, ge=1)
-    split_at_sessions_per_worker: float = Field(default=6.0, gt=0.0)
+    split_at_sessions_per_worker: float = Field(default=10.0, gt=0.0)
     # None: two thirds of the split line
     colocate_below_sessions_per_worker: float | None = Field(default=None, gt=0.0)
     settle_s: float = Field(default=10.0, ge=0.0)

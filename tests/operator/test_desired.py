@@ -367,7 +367,7 @@ def test_pool_roles_render_a_kv_both_pool_the_router_can_split(engine: str) -> N
     flags = router_flags(bd.spec.router)
     assert flags["disaggregation"]["pool_roles"] == {
         "prefill_workers": 2,
-        "split_at_sessions_per_worker": 6.0,
+        "split_at_sessions_per_worker": 10.0,
         "colocate_below_sessions_per_worker": None,
         "settle_s": 5.0,
         "spill_at_sessions_per_worker": None,

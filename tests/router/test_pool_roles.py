@@ -131,7 +131,7 @@ def test_params_are_checked_and_name_the_field() -> None:
         ConditionalDisaggregation.from_params({"pool_roles": {"prefil_workers": 2}})
     with pytest.raises(PolicyConfigError, match="colocate_below_sessions_per_worker"):
         ConditionalDisaggregation.from_params(
-            {"pool_roles": {"colocate_below_sessions_per_worker": 7}}
+            {"pool_roles": {"colocate_below_sessions_per_worker": 11}}
         )
     with pytest.raises(PolicyConfigError, match=r"pool_roles\.prefill_workers"):
         ConditionalDisaggregation.from_params({"pool_roles": {"prefill_workers": 0}})
