@@ -23,7 +23,7 @@ at 6 ("Pool roles that follow the load": colocated ahead at 16 agents, 4 a worke
 at 32; at 3 a worker the pool split at 16 agents and lost there). Once the first-turn pieces
 and the tie rule had made the colocated pool faster, the line at 10 (colocated up to 40
 agents) was ahead at 32 agents in all five rounds (9,653–9,815 against 9,386–9,722
-tok/s/GPU, p90 TTFT 0.74–0.78 against 1.02–1.24 s) and level at 64 and 128 ("The pool's
+tok/s/GPU, p90 TTFT 0.73–0.78 against 1.02–1.24 s) and level at 64 and 128 ("The pool's
 line at 10 sessions a worker").
 
 What each mode shows the rest of the router (`PoolRoles.apply`: the endpoints with their roles
