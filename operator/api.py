@@ -504,6 +504,13 @@ class FlowControlSpec(_Model):
     chunked_prefill_size, beamserve workers' max_num_batched_tokens) less room for its decodes,
     and no pieces on a worker that reports none (stock vLLM does not: set this to its
     max_num_batched_tokens less a few hundred)."""
+    prefill_piece_yield_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Before each piece, the router waits while a turn of its own with at most this many
+    uncached tokens waits on that worker for its first token, so the short turn's prefill
+    takes a step of its own, not one beside the next piece; null: off (docs/policies.md,
+    "Pieces yield to short turns")."""
+    prefill_piece_yield_max_seconds: Annotated[float, Field(gt=0)] = 0.5
+    """The longest one such wait."""
     pace_hold_tokens: Annotated[int, Field(ge=1)] | None = None
     """A continuing turn with this many uncached tokens, prefilled on its session's worker,
     waits in the router while its prefill would slow a user decoding there under

@@ -132,6 +132,8 @@ def router_flags(config: RouterConfig) -> dict[str, Any]:
             "prefill_piece_tokens": config.flow_control.prefill_piece_tokens,
             "prefill_first_pieces": config.flow_control.prefill_first_pieces,
             "prefill_first_piece_tokens": config.flow_control.prefill_first_piece_tokens,
+            "prefill_piece_yield_tokens": config.flow_control.prefill_piece_yield_tokens,
+            "prefill_piece_yield_max_s": config.flow_control.prefill_piece_yield_max_seconds,
             "pace_hold_tokens": config.flow_control.pace_hold_tokens,
             "pace_hold_max_s": config.flow_control.pace_hold_max_seconds,
             "pace_hold_user_tok_s": config.flow_control.pace_hold_user_tokens_per_second,

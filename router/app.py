@@ -67,6 +67,7 @@ from beamserve.router.flow.pieces import (
     wants_pieces,
 )
 from beamserve.router.flow.saturation import SaturationDetector, worker_saturation
+from beamserve.router.load import Flight
 from beamserve.router.metrics import RouterMetrics
 from beamserve.router.pd import UpstreamError, Upstreams
 from beamserve.router.policy import NoCandidates
@@ -193,6 +194,9 @@ APPROX_LENGTH_SLACK = 2
 # hashed while the worker starts on it (`Router._settle`) — for a new 144K-token prompt,
 # 45–100 ms that were between the client and the worker.
 HEAD_CHARS = 8_192
+# How often a prefill in pieces looks again whether the short turns it lets go first have their
+# first token (`Router._yield_to_short_turns`).
+_YIELD_POLL_S = 0.002
 
 
 async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -920,6 +924,7 @@ class Router:
         outcome = "done"
         primed = len(ids) - f.prefill_tokens  # the prompt's tokens the worker holds so far
         for n in cuts:
+            await self._yield_to_short_turns(ep.id, f)
             body = {"model": model, "prompt": ids[:n], "max_tokens": 1, "stream": False}
             try:
                 await self.upstreams.post(
@@ -950,6 +955,24 @@ class Router:
             primed_tokens=d.pieced_tokens,
             seconds=round(self.core.clock() - t0, 3),
         )
+
+    async def _yield_to_short_turns(self, worker: str, f: Flight) -> None:
+        """Before a piece: while a short turn of this replica waits on `worker` for its first
+        token (`LoadBook.short_prefills`, `flow.prefill_piece_yield_tokens`), hold the piece,
+        for `prefill_piece_yield_max_s` at most — the turn's prefill then takes a short step of
+        its own, not one beside a whole piece (`beamserve.router.flow.pieces`, "Pieces yield to
+        short turns")."""
+        cfg = self.flow.config
+        limit, loads = cfg.prefill_piece_yield_tokens, self.core.loads
+        if limit is None or not loads.short_prefills(worker, limit, exclude=f):
+            return
+        deadline = time.monotonic() + cfg.prefill_piece_yield_max_s
+        while loads.short_prefills(worker, limit, exclude=f):
+            if time.monotonic() >= deadline:
+                self.metrics.piece_yields.labels("bounded").inc()
+                return
+            await asyncio.sleep(_YIELD_POLL_S)
+        self.metrics.piece_yields.labels("answered").inc()
 
     def _check_pieces(self, d: Dispatch, usage: Mapping[str, Any]) -> None:
         """Count a prefill in pieces whose request found less cached than its pieces sent

@@ -611,6 +611,20 @@ class LoadBook:
             self._expire(self.clock())
         return w.resting > 0 or bool(w.streaming)
 
+    def short_prefills(self, worker: str, max_tokens: int, exclude: Flight | None = None) -> int:
+        """How many of this replica's requests wait on `worker` for their first token (booked
+        there, not held back by the pace hold) with at most `max_tokens` of prefill left:
+        the short turns a prefill in pieces lets go first (`beamserve.router.flow.pieces`,
+        "Pieces yield to short turns"). `exclude` is the pieced request itself."""
+        w = self._workers.get(worker)
+        if w is None or not w.prefills:
+            return 0
+        return sum(
+            1
+            for f in w.prefills.values()
+            if f is not exclude and not f.held and f.prefill_tokens <= max_tokens
+        )
+
     def resting_sessions(self, worker: str) -> int:
         """How many sessions rest on `worker` now (the `/metrics` gauge)."""
         if self._rest:

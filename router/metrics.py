@@ -208,6 +208,14 @@ class RouterMetrics:
             "(flow.prefill_piece_min_tokens).",
             registry=r,
         )
+        self.piece_yields = Counter(
+            "beamserve_router_prefill_piece_yields",
+            "Times a prefill in pieces waited before its next piece for a short turn's first "
+            "token on the same worker (flow.prefill_piece_yield_tokens), by outcome: answered "
+            "(the turn's first token came) or bounded (prefill_piece_yield_max_s ran out).",
+            ["outcome"],
+            registry=r,
+        )
         self.pieced_prefills = Counter(
             "beamserve_router_pieced_prefills",
             "Continuing turns prefilled in pieces, by outcome: done (every piece answered) or "

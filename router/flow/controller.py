@@ -310,6 +310,9 @@ class FlowConfig(BaseModel):
     |  |  | live is sent in pieces (`beamserve.router.flow.pieces`) … |
     | `prefill_first_piece_tokens` | ``null`` | … of this many tokens (null: the worker's own |
     |  |  | step budget, less room for its decodes) |
+    | `prefill_piece_yield_tokens` | off | before each piece, wait while a turn of at most this |
+    |  |  | many uncached tokens waits for its first token on that worker … |
+    | `prefill_piece_yield_max_s` | ``0.5`` | … for this long at most |
 
     Config example: ``{max_queued: 2000, band_ttl_s: {sheddable: 10}}``.
     """
@@ -350,6 +353,8 @@ class FlowConfig(BaseModel):
     prefill_piece_tokens: int = Field(default=1024, ge=1)
     prefill_first_pieces: bool = True
     prefill_first_piece_tokens: int | None = Field(default=None, ge=1)
+    prefill_piece_yield_tokens: int | None = Field(default=None, ge=1)
+    prefill_piece_yield_max_s: float = Field(default=0.5, gt=0)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowConfig:

@@ -120,6 +120,11 @@ def test_the_router_accepts_what_the_file_becomes() -> None:
     flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(lifo))["flow"])
     assert (flow.lifo_after_s, flow.lifo_max_wait_s) == (None, 20)
     assert FlowConfig.from_mapping(flags["flow"]).lifo_after_s == 2.0  # the default
+    assert FlowConfig.from_mapping(flags["flow"]).prefill_piece_yield_tokens is None  # off
+    yields = {"prefillPieceYieldTokens": 2048, "prefillPieceYieldMaxSeconds": 0.25}
+    spec = {**CONFIG, "flowControl": yields}
+    flow = FlowConfig.from_mapping(router_flags(RouterConfig.model_validate(spec))["flow"])
+    assert (flow.prefill_piece_yield_tokens, flow.prefill_piece_yield_max_s) == (2048, 0.25)
     assert SaturationConfig.from_mapping(flags["saturation"]).cap_workers_at_threshold
     raw = {**CONFIG, "saturation": {"capWorkersAtThreshold": False}}
     flags_raw = router_flags(RouterConfig.model_validate(raw))

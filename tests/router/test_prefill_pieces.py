@@ -20,6 +20,7 @@ from beamserve.router.flow.pieces import (
     wants_first_pieces,
     wants_pieces,
 )
+from beamserve.router.load import LoadBook
 from beamserve.router.pd import UpstreamError
 from beamserve.router.server import RouterRuntime
 from hypothesis import given
@@ -360,3 +361,148 @@ def test_first_turn_pieces_by_default_are_the_worker_s_step_budget_less_room(
 def test_first_turn_pieces_switched_off_send_the_prompt_whole(spawn_worker: SpawnWorker) -> None:
     cuts, _, _ = _first_turns_beside_a_rest(spawn_worker, prefill_first_pieces=False)
     assert cuts == []
+
+
+# --- pieces yield to short turns -------------------------------------------------------------
+
+
+def test_short_prefills_count_the_short_turns_booked_and_not_held() -> None:
+    """`LoadBook.short_prefills`: this replica's requests waiting on the worker for their first
+    token with at most so many tokens of prefill — not the pieced one itself, not one the pace
+    hold keeps back, not one past its first token, not one on another worker."""
+    book = LoadBook(clock=lambda: 0.0)
+    pieced = book.start("w0", 20_000, 20_000)
+    short = book.start("w0", 300, 12_000)
+    book.start("w1", 300, 12_000)
+    long_ = book.start("w0", 5_000, 30_000)
+    assert book.short_prefills("w0", 2048, exclude=pieced) == 1
+    assert book.short_prefills("w0", 2048) == 1
+    assert book.short_prefills("w0", 5_000, exclude=pieced) == 2
+    assert book.short_prefills("w9", 2048) == 0
+    book.hold(short, True)
+    assert book.short_prefills("w0", 2048, exclude=pieced) == 0
+    book.hold(short, False)
+    book.first_token(short)
+    assert book.short_prefills("w0", 2048, exclude=pieced) == 0
+    book.finish(long_)
+    assert book.short_prefills("w0", 5_000, exclude=pieced) == 0
+
+
+def test_piece_yield_is_off_by_default_and_checked() -> None:
+    assert FlowConfig().prefill_piece_yield_tokens is None
+    assert FlowConfig().prefill_piece_yield_max_s == 0.5
+    with pytest.raises(FlowConfigError, match="prefill_piece_yield_tokens"):
+        FlowConfig.from_mapping({"prefill_piece_yield_tokens": 0})
+    with pytest.raises(FlowConfigError, match="prefill_piece_yield_max_s"):
+        FlowConfig.from_mapping({"prefill_piece_yield_max_s": 0})
+
+
+def _short_turn_during_pieces(
+    spawn_worker: SpawnWorker, **flow: Any
+) -> tuple[list[int], str, RouterRuntime, str]:
+    """Session `a`'s first turn; then session `b`'s long first turn goes in 256-token pieces
+    beside it, and as `b`'s second piece goes out, `a`'s short next turn arrives. Returns, for
+    each piece as it went out, how many short turns (≤ 200 tokens) waited on the worker for
+    their first token; the router's `/metrics`; the router and the worker's id."""
+    # a tenth of the speed: `a`'s own step (≈ 0.1 s) outlasts the router's turnaround between
+    # two pieces, so without the yield the next piece reaches the engine before `a`'s first token
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--speed", "0.1")
+    rt, worker = router_over(w.url, prefill_first_piece_tokens=256, **flow)
+    waiting: list[int] = []
+    post = rt.router.upstreams.post
+    later: list[asyncio.Task[httpx.Response]] = []
+    a_first = [{"role": "user", "content": "session a " + " line of output" * 200}]
+    a_next = [*a_first, {"role": "assistant", "content": "ok"},
+              {"role": "user", "content": "and the tests?"}]  # fmt: skip
+
+    async def watched(ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
+        if path == "/v1/completions" and body.get("max_tokens") == 1:
+            waiting.append(rt.core.loads.short_prefills(worker, 200))  # not `b`'s own rest
+            if len(waiting) == 2:  # `a` comes back while this piece prefills (≈ 0.4 s a step)
+                piece = asyncio.ensure_future(post(ep, path, body, timeout, **kw))
+                await asyncio.sleep(0.1)  # the piece is in the engine's step first
+                later.append(asyncio.ensure_future(client.post(
+                    URL, json={"model": "beam", "messages": a_next, "max_tokens": 2},
+                    headers={"x-session-id": "a"})))  # fmt: skip
+                return await piece
+        return await post(ep, path, body, timeout, **kw)
+
+    rt.router.upstreams.post = watched  # type: ignore[method-assign]
+    client: httpx.AsyncClient
+
+    async def main() -> str:
+        nonlocal client
+        async with serving(rt) as c:
+            client = c
+            r = await c.post(URL, json={"model": "beam", "messages": a_first, "max_tokens": 2},
+                             headers={"x-session-id": "a"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            text = "session b " + " line of output" * 800
+            r = await c.post(URL, json={"model": "beam", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": text}]},
+                             headers={"x-session-id": "b"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            (a_turn,) = later
+            assert (await a_turn).status_code == 200
+            nothing_booked(rt, worker)
+            return (await c.get("/metrics")).text
+
+    metrics = asyncio.run(main())
+    return waiting, metrics, rt, worker
+
+
+def test_pieces_wait_for_a_short_turn_s_first_token(spawn_worker: SpawnWorker) -> None:
+    """With `prefill_piece_yield_tokens`, no piece after `a`'s short turn arrived goes out while
+    that turn still waits for its first token: the pieces held once and the turn answered."""
+    waiting, metrics, _, _ = _short_turn_during_pieces(
+        spawn_worker, prefill_piece_yield_tokens=2048, prefill_piece_yield_max_s=10
+    )
+    assert len(waiting) >= 4, waiting
+    assert waiting == [0] * len(waiting), waiting
+    yields = 'beamserve_router_prefill_piece_yields_total{outcome="answered"}'
+    assert metric(metrics, yields) == 1, metrics
+    assert metric(metrics, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+
+
+def test_without_the_yield_the_next_piece_goes_beside_the_short_turn(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """The control: off (the default), a piece goes out while `a`'s turn still waits for its
+    first token (the next one after it arrived), so both share the worker's next step."""
+    waiting, metrics, _, _ = _short_turn_during_pieces(spawn_worker)
+    assert waiting[:2] == [0, 0] and 1 in waiting, waiting
+    assert "prefill_piece_yields_total{" not in metrics
+
+
+def test_a_yield_is_bounded_and_the_pieces_go_on(spawn_worker: SpawnWorker) -> None:
+    """A short turn that never gets its first token (booked by hand, never answered) holds
+    each piece `prefill_piece_yield_max_s` at most: the pieced turn is answered, every yield
+    is counted bounded, and nothing else stays booked."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_over(
+        w.url,
+        prefill_first_piece_tokens=256,
+        prefill_piece_yield_tokens=2048,
+        prefill_piece_yield_max_s=0.05,
+    )
+
+    async def main() -> str:
+        async with serving(rt) as c:
+            a = [{"role": "user", "content": "session a " + " line of output" * 200}]
+            r = await c.post(URL, json={"model": "beam", "messages": a, "max_tokens": 2},
+                             headers={"x-session-id": "a"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            stuck = rt.core.loads.start(worker, 100, 100)
+            b = [{"role": "user", "content": "session b " + " line of output" * 800}]
+            r = await c.post(URL, json={"model": "beam", "messages": b, "max_tokens": 2},
+                             headers={"x-session-id": "b"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            rt.core.loads.finish(stuck)
+            nothing_booked(rt, worker)
+            return (await c.get("/metrics")).text
+
+    text = asyncio.run(main())
+    pieces = metric(text, "beamserve_router_prefill_pieces_total")
+    assert pieces >= 4, text
+    assert metric(text, 'beamserve_router_prefill_piece_yields_total{outcome="bounded"}') == pieces
+    assert metric(text, 'beamserve_router_prefill_piece_yields_total{outcome="answered"}') == 0
