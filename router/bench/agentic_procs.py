@@ -397,6 +397,7 @@ ROUTER_COUNTERS = (
     "beamserve_router_prefill_pieces_total",
     "beamserve_router_pieced_prefills_total",
     "beamserve_router_prefill_pieces_missed_total",
+    "beamserve_router_prefill_piece_yields_total",
     "beamserve_router_disaggregated_total",
     "beamserve_router_pd_fallbacks_total",
     "beamserve_router_retries_total",
