@@ -964,15 +964,17 @@ class Router:
         short turns")."""
         cfg = self.flow.config
         limit, loads = cfg.prefill_piece_yield_tokens, self.core.loads
-        if limit is None or not loads.short_prefills(worker, limit, exclude=f):
+        if limit is None:
             return
-        deadline = time.monotonic() + cfg.prefill_piece_yield_max_s
+        deadline, waited = time.monotonic() + cfg.prefill_piece_yield_max_s, False
         while loads.short_prefills(worker, limit, exclude=f):
             if time.monotonic() >= deadline:
                 self.metrics.piece_yields.labels("bounded").inc()
                 return
+            waited = True
             await asyncio.sleep(_YIELD_POLL_S)
-        self.metrics.piece_yields.labels("answered").inc()
+        if waited:
+            self.metrics.piece_yields.labels("answered").inc()
 
     def _check_pieces(self, d: Dispatch, usage: Mapping[str, Any]) -> None:
         """Count a prefill in pieces whose request found less cached than its pieces sent
