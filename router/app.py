@@ -944,6 +944,8 @@ class Router:
             # that piece is prefilled: it waits on the worker no longer (`LoadBook.prefilled`)
             self.core.loads.prefilled(f, n - primed)
             primed = n
+        if outcome == "done":  # the request's own remainder is a piece too
+            await self._yield_to_short_turns(ep.id, f)
         self.metrics.prefill_pieces.inc(sent)
         self.metrics.pieced_prefills.labels(outcome).inc()
         d.pieced_tokens = cuts[sent - 1] if sent else 0
@@ -957,11 +959,11 @@ class Router:
         )
 
     async def _yield_to_short_turns(self, worker: str, f: Flight) -> None:
-        """Before a piece: while a short turn of this replica waits on `worker` for its first
-        token (`LoadBook.short_prefills`, `flow.prefill_piece_yield_tokens`), hold the piece,
-        for `prefill_piece_yield_max_s` at most — the turn's prefill then takes a short step of
-        its own, not one beside a whole piece (`beamserve.router.flow.pieces`, "Pieces yield to
-        short turns")."""
+        """Before a piece, and before the request itself after its last piece: while a short
+        turn of this replica waits on `worker` for its first token (`LoadBook.short_prefills`,
+        `flow.prefill_piece_yield_tokens`), hold it, for `prefill_piece_yield_max_s` at most —
+        the turn's prefill then takes a short step of its own, not one beside a whole piece
+        (`beamserve.router.flow.pieces`, "Pieces yield to short turns")."""
         cfg = self.flow.config
         limit, loads = cfg.prefill_piece_yield_tokens, self.core.loads
         if limit is None:

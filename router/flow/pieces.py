@@ -95,7 +95,8 @@ agents, `trace_0048`'s eighth turn — 308 new tokens — took 0.39–0.44 s to 
 beside a first turn in pieces, against 0.05 s through `sglang-router`). With the key set,
 before each piece the router looks at its own requests on that worker
 (`LoadBook.short_prefills`): while one with at most that many tokens of prefill left waits for
-its first token, the piece waits too, for `prefill_piece_yield_max_s` at most (the bound: a
+its first token, the piece waits too — and so does the request itself after its last piece,
+whose remainder is one more piece — for `prefill_piece_yield_max_s` at most (the bound: a
 turn whose first token never comes holds each piece that long, no more). Each wait is counted
 (`beamserve_router_prefill_piece_yields_total`, `answered` or `bounded`). The pieced turn
 pays the short turns' steps; a turn that comes from another router replica is not seen, and

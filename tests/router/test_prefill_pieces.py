@@ -398,12 +398,13 @@ def test_piece_yield_is_off_by_default_and_checked() -> None:
 
 
 def _short_turn_during_pieces(
-    spawn_worker: SpawnWorker, **flow: Any
+    spawn_worker: SpawnWorker, b_lines: int = 800, **flow: Any
 ) -> tuple[list[int], str, RouterRuntime, str]:
-    """Session `a`'s first turn; then session `b`'s long first turn goes in 256-token pieces
-    beside it, and as `b`'s second piece goes out, `a`'s short next turn arrives. Returns, for
-    each piece as it went out, how many short turns (≤ 200 tokens) waited on the worker for
-    their first token; the router's `/metrics`; the router and the worker's id."""
+    """Session `a`'s first turn; then session `b`'s long first turn (`b_lines` lines) goes in
+    256-token pieces beside it, and as `b`'s second piece goes out, `a`'s short next turn
+    arrives. Returns, for each piece as it went out and then for `b`'s request itself, how many
+    short turns (≤ 200 tokens) waited on the worker for their first token; the router's
+    `/metrics`; the router and the worker's id."""
     # a tenth of the speed: `a`'s own step (≈ 0.1 s) outlasts the router's turnaround between
     # two pieces, so without the yield the next piece reaches the engine before `a`'s first token
     w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8", "--speed", "0.1")
@@ -425,6 +426,8 @@ def _short_turn_during_pieces(
                     URL, json={"model": "beam", "messages": a_next, "max_tokens": 2},
                     headers={"x-session-id": "a"})))  # fmt: skip
                 return await piece
+        elif "session b" in str(body.get("messages")):  # `b`'s request itself, after them
+            waiting.append(rt.core.loads.short_prefills(worker, 200))
         return await post(ep, path, body, timeout, **kw)
 
     rt.router.upstreams.post = watched  # type: ignore[method-assign]
@@ -437,7 +440,7 @@ def _short_turn_during_pieces(
             r = await c.post(URL, json={"model": "beam", "messages": a_first, "max_tokens": 2},
                              headers={"x-session-id": "a"})  # fmt: skip
             assert r.status_code == 200, r.text
-            text = "session b " + " line of output" * 800
+            text = "session b " + " line of output" * b_lines
             r = await c.post(URL, json={"model": "beam", "max_tokens": 2,
                                         "messages": [{"role": "user", "content": text}]},
                              headers={"x-session-id": "b"})  # fmt: skip
@@ -462,6 +465,20 @@ def test_pieces_wait_for_a_short_turn_s_first_token(spawn_worker: SpawnWorker) -
     yields = 'beamserve_router_prefill_piece_yields_total{outcome="answered"}'
     assert metric(metrics, yields) == 1, metrics
     assert metric(metrics, 'beamserve_router_pieced_prefills_total{outcome="done"}') == 1
+
+
+def test_after_its_last_piece_the_request_itself_waits_for_a_short_turn(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """`b` in two pieces, `a`'s short turn arriving during the second (the last): the request
+    itself, whose remainder is one more piece, waits for `a`'s first token as a piece would.
+    (`b`: ≈ 740 tokens, so its own remainder, ≈ 230, is not counted a short turn.)"""
+    waiting, metrics, _, _ = _short_turn_during_pieces(
+        spawn_worker, b_lines=120, prefill_piece_yield_tokens=2048, prefill_piece_yield_max_s=10
+    )
+    assert waiting == [0, 0, 0], waiting  # two pieces, then the request itself
+    yields = 'beamserve_router_prefill_piece_yields_total{outcome="answered"}'
+    assert metric(metrics, yields) == 1, metrics
 
 
 def test_without_the_yield_the_next_piece_goes_beside_the_short_turn(
@@ -504,5 +521,7 @@ def test_a_yield_is_bounded_and_the_pieces_go_on(spawn_worker: SpawnWorker) -> N
     text = asyncio.run(main())
     pieces = metric(text, "beamserve_router_prefill_pieces_total")
     assert pieces >= 4, text
-    assert metric(text, 'beamserve_router_prefill_piece_yields_total{outcome="bounded"}') == pieces
+    # before each piece, and before the request itself after the last
+    bounded = 'beamserve_router_prefill_piece_yields_total{outcome="bounded"}'
+    assert metric(text, bounded) == pieces + 1
     assert metric(text, 'beamserve_router_prefill_piece_yields_total{outcome="answered"}') == 0
