@@ -2,7 +2,7 @@
 """What each router adds to one agent's turn, seen from a tap in front of its worker.
 
     .venv/bin/python scripts/router-tap.py [--routers A,B,...] [--tokens 20000] [-n 30]
-        [--max-tokens 64] [--rounds 1] [--json FILE]
+        [--max-tokens 64] [--rounds 1] [--first-turns [--warm 10]] [--json FILE]
 
 At one agent, a router's throughput is the sum of its turns' lengths, and a turn through a
 router is: the client's request reaching the worker whole, the worker's own time, and the
@@ -16,6 +16,13 @@ one conversation: a `--tokens`-token chat followed by `-n` continuing turns (eac
 reply and a new user message, as an agent's turns mostly are), streamed, `--max-tokens` each,
 through the bench's client (`send_turn`: TCP_NODELAY; it stops reading at `[DONE]`, and a
 turn ends when it has let go of the response).
+
+`--first-turns`: each turn is instead a new session's first turn of `--tokens` tokens (a
+prompt of its own, cold at the worker), after `--warm` such turns that are not measured (they
+fill the router's tokenizer memo, as a long run's shared vocabulary does, and leave sessions
+resting on the worker: a first turn longer than a piece then goes in first-turn pieces, and
+"to worker" runs to its request itself, after the pieces — the pieces' answers carry no
+`[DONE]`).
 
 Per request (medians over the turns after the first two), ms:
 - **to worker**: from the client's send to the request's last byte read at the tap — the
@@ -110,18 +117,31 @@ uvicorn.run(app, host="127.0.0.1", port=port, http="httptools", loop="uvloop",
 REFERENCES = ("direct", "forwarder")
 
 
-async def _play(url: str, tokens: int, n: int, max_tokens: int, name: str) -> list[Any]:
+async def _play(
+    url: str, tokens: int, n: int, max_tokens: int, name: str, first_turns: int | None = None
+) -> list[Any]:
     """The conversation through `url`, with the bench's client (`send_turn`); the records of
-    the turns after the first two."""
+    the turns after the first two. `first_turns` (the unmeasured ones): new sessions instead."""
     import httpx
     from beamserve.router.bench.agentic import NODELAY, send_turn
     from beamserve.router.bench.agentic_workload import PromptBuilder, Turn, synthetic_prompt
 
-    messages = synthetic_prompt(PromptBuilder(64), tokens, name)
+    builder = PromptBuilder(64)
+    messages = synthetic_prompt(builder, tokens, name)
     records = []
     transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
     async with httpx.AsyncClient(transport=transport, timeout=120) as client:
-        for i in range(n + 2):
+        for i in range(-(first_turns or 0), n + 2 if first_turns is not None else 0):
+            sid = f"{name}-new-{i}"  # a session of its own, its prompt cold at the worker
+            turn = Turn(0, (), 0, 0, max_tokens, 0.0)
+            prompt = synthetic_prompt(builder, tokens, sid)
+            rec = await send_turn(client, url, sid, turn, prompt, session_header=sid)
+            if not rec.ok:
+                raise RuntimeError(f"{url}: {sid}: {rec.status} {rec.detail}")
+            if i >= 0:
+                records.append(rec)
+            await asyncio.sleep(0.03)
+        for i in range(n + 2 if first_turns is None else 0):
             reply = {"role": "assistant", "content": f"done with step {i}"}
             ask = {"role": "user", "content": f"now step {i + 1}, and run the tests"}
             messages = [*messages, reply, ask]
@@ -154,7 +174,9 @@ def _requests(log_path: Path) -> list[dict[str, float]]:
     return [r for r in posts if "done" in r]
 
 
-def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
+def _measure(
+    name: str, tokens: int, n: int, max_tokens: int, first_turns: int | None = None
+) -> dict[str, Any]:
     from beamserve.router.bench.agentic_procs import (
         ROUTERS,
         Procs,
@@ -179,7 +201,7 @@ def _measure(name: str, tokens: int, n: int, max_tokens: int) -> dict[str, Any]:
             url = str(fwd.ready_line(30)["url"])
         else:
             url = start_router(procs, ROUTERS[name], [tapped]).url
-        turns = asyncio.run(_play(url, tokens, n, max_tokens, f"tap-{name}"))
+        turns = asyncio.run(_play(url, tokens, n, max_tokens, f"tap-{name}", first_turns))
         reqs = _requests(log_path)[-len(turns) :]
     to_worker = [(r["last"] - t.sent) * 1e3 for t, r in zip(turns, reqs, strict=True)]
     worker_ms = [(r["done"] - r["last"]) * 1e3 for r in reqs]
@@ -200,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=30, help="continuing turns measured")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="the routers in turn, this many times")
+    p.add_argument("--first-turns", action="store_true",
+                   help="each turn a new session's first turn of --tokens tokens")  # fmt: skip
+    p.add_argument("--warm", type=int, default=10,
+                   help="with --first-turns: first turns sent before those measured")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from beamserve.router.bench.agentic_procs import ROUTERS
@@ -208,17 +234,21 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [r for r in args.routers.split(",") if r]
     unknown = [r for r in names if r not in REFERENCES and r not in ROUTERS]
+    if args.warm < 0:
+        p.error(f"--warm: must be ≥ 0, got {args.warm}")
     if unknown:
         p.error(f"--routers: unknown {unknown}; use `direct`, `forwarder` or one of "
                 f"{', '.join(ROUTERS)}")  # fmt: skip
     rows = []
     for rnd in range(args.rounds):
         for name in names:
-            row = _measure(name, args.tokens, args.n, args.max_tokens)
+            warm = args.warm if args.first_turns else None
+            row = _measure(name, args.tokens, args.n, args.max_tokens, warm)
             rows.append({**row, "round": rnd})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    table = Table(title=f"one agent, {args.tokens:,}-token chat + {args.n} continuing turns, "
-                        f"max_tokens {args.max_tokens}: median ms")  # fmt: skip
+    what = (f"{args.n} new sessions' {args.tokens:,}-token first turns" if args.first_turns
+            else f"{args.tokens:,}-token chat + {args.n} continuing turns")  # fmt: skip
+    table = Table(title=f"one agent, {what}, max_tokens {args.max_tokens}: median ms")
     for col in ("router", "round", "to worker", "worker", "back", "turn"):
         table.add_column(col, justify="left" if col == "router" else "right")
     for r in rows:
@@ -227,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     if args.json is not None:
         report = {"command": sys.argv, "tokens": args.tokens, "n": args.n,
-                  "max_tokens": args.max_tokens, "rows": rows}  # fmt: skip
+                  "max_tokens": args.max_tokens, "first_turns": args.first_turns,
+                  "warm": args.warm if args.first_turns else None, "rows": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

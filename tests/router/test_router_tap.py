@@ -37,3 +37,27 @@ def test_unknown_routers_are_named() -> None:
         timeout=60,
     )
     assert run.returncode == 2 and "unknown ['nginx']" in run.stderr
+
+
+def test_first_turns_are_new_sessions_each_timed_at_the_tap(tmp_path: Path) -> None:
+    """`--first-turns`: each measured turn a new session's cold first turn; the router's way
+    in is still on top of the tap's."""
+    report = report_of(SCRIPT, tmp_path, "--routers", "direct,beamserve-adaptive-spill",
+                       "--tokens", "3000", "-n", "3", "--max-tokens", "8", "--first-turns",
+                       "--warm", "2")  # fmt: skip
+    assert report["first_turns"] is True and report["warm"] == 2
+    rows = {r["router"]: r for r in report["rows"]}
+    for r in rows.values():
+        assert r["n"] == 3
+        assert 0 < r["to_worker_ms"] < r["turn_ms"] and r["worker_ms"] > 0
+    assert rows["beamserve-adaptive-spill"]["to_worker_ms"] > rows["direct"]["to_worker_ms"]
+
+
+def test_a_negative_warm_up_is_refused() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--first-turns", "--warm", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--warm: must be ≥ 0" in run.stderr
