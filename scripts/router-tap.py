@@ -131,17 +131,19 @@ async def _play(
     records = []
     transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
     async with httpx.AsyncClient(transport=transport, timeout=120) as client:
-        for i in range(-(first_turns or 0), n + 2 if first_turns is not None else 0):
-            sid = f"{name}-new-{i}"  # a session of its own, its prompt cold at the worker
-            turn = Turn(0, (), 0, 0, max_tokens, 0.0)
-            prompt = synthetic_prompt(builder, tokens, sid)
-            rec = await send_turn(client, url, sid, turn, prompt, session_header=sid)
-            if not rec.ok:
-                raise RuntimeError(f"{url}: {sid}: {rec.status} {rec.detail}")
-            if i >= 0:
-                records.append(rec)
-            await asyncio.sleep(0.03)
-        for i in range(n + 2 if first_turns is None else 0):
+        if first_turns is not None:
+            first = Turn(0, (), 0, 0, max_tokens, 0.0)
+            for i in range(-first_turns, n + 2):
+                sid = f"{name}-new-{i}"  # a session of its own, its prompt cold at the worker
+                prompt = synthetic_prompt(builder, tokens, sid)
+                rec = await send_turn(client, url, sid, first, prompt, session_header=sid)
+                if not rec.ok:
+                    raise RuntimeError(f"{url}: {sid}: {rec.status} {rec.detail}")
+                if i >= 0:  # past the warm-up
+                    records.append(rec)
+                await asyncio.sleep(0.03)
+            return records[2:]
+        for i in range(n + 2):
             reply = {"role": "assistant", "content": f"done with step {i}"}
             ask = {"role": "user", "content": f"now step {i + 1}, and run the tests"}
             messages = [*messages, reply, ask]
@@ -240,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--routers: unknown {unknown}; use `direct`, `forwarder` or one of "
                 f"{', '.join(ROUTERS)}")  # fmt: skip
     rows = []
+    warm = args.warm if args.first_turns else None
     for rnd in range(args.rounds):
         for name in names:
-            warm = args.warm if args.first_turns else None
             row = _measure(name, args.tokens, args.n, args.max_tokens, warm)
             rows.append({**row, "round": rnd})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
