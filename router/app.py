@@ -862,10 +862,14 @@ class Router:
 
     def _first_piece(self, ep: Endpoint) -> int | None:
         """A first turn's piece on `ep` (`first_piece_size`): `flow.prefill_first_piece_tokens`,
-        else the worker's reported step budget less room for its decodes; None: off."""
+        else the worker's reported step budget less room for the decodes that may share its
+        steps (`LoadBook.decodes_beside`); None: off."""
         if not self._first_pieces:
             return None
-        return first_piece_size(self._first_piece_tokens, ep.step_budget, self.hasher.block_size)
+        if self._first_piece_tokens is not None or ep.step_budget is None:
+            return first_piece_size(self._first_piece_tokens, ep.step_budget, 1)
+        decodes = self.core.loads.decodes_beside(ep.id)
+        return first_piece_size(None, ep.step_budget, self.hasher.block_size, decodes)
 
     def _first_beside_others(self, d: Dispatch, decision: RouteDecision) -> bool:
         """Is this a new session's first turn that prefills on its decode worker while other

@@ -599,17 +599,30 @@ class LoadBook:
                 n += peers.counts(wid, now).in_flight
         return n
 
-    def lives_beside(self, worker: str) -> bool:
-        """Do sessions live on `worker` whose next tokens a long prefill there would hold up:
-        one resting between turns, or a request of this replica's past its first token there
-        (streaming). Requests still in their own prefill do not count: they wait in the
+    def lives_beside(self, worker: str) -> int:
+        """How many sessions live on `worker` whose next tokens a long prefill there would hold
+        up: those resting between turns, and this replica's requests past their first token
+        there (streaming). Requests still in their own prefill do not count: they wait in the
         engine's order either way."""
         w = self._workers.get(worker)
         if w is None:
-            return False
+            return 0
         if self._rest:
             self._expire(self.clock())
-        return w.resting > 0 or bool(w.streaming)
+        return max(w.resting, 0) + len(w.streaming)
+
+    def decodes_beside(self, worker: str) -> int:
+        """How many decodes may share `worker`'s steps with a prefill there: the sessions that
+        live there (`lives_beside`: streaming, or resting and soon back) and the requests the
+        peers' books hold there; at least what its last scrape saw running, with the resting
+        sessions on top."""
+        w = self._workers.get(worker)
+        if w is None:
+            return 0
+        now = self.clock()
+        peers = 0 if self.peers is None else self.peers.counts(worker, now).in_flight
+        resting = self.lives_beside(worker) - len(w.streaming)
+        return max(len(w.streaming) + peers, w.running) + resting
 
     def short_prefills(self, worker: str, max_tokens: int, exclude: Flight | None = None) -> int:
         """How many of this replica's requests wait on `worker` for their first token (booked

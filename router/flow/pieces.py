@@ -72,12 +72,19 @@ gets the prompt whole.
 
 The size of a piece (`first_piece_size`) is the worker's own step budget — what it reported
 (`Endpoint.step_budget`: vLLM's `max_num_batched_tokens`, SGLang's `chunked_prefill_size`) —
-less `DECODE_ROOM` tokens for the decodes that share the step (an engine fills its budget with
-the running decodes first: a piece of the whole budget beside eight streams would take a
-second step for its last eight tokens), rounded down to a whole block. Each piece is then one
-engine step, and the first turn pays a request per piece plus the turns it lets through: a
-144K-token first turn in 18 pieces reached its first token 0.3–0.5 s later than whole over HTTP
-in front of the sim (each piece's growing prompt is parsed again by the worker).
+less room for the decodes that share the step (an engine fills its budget with the running
+decodes first: a piece of the whole budget beside eight streams would take a second step for
+its last eight tokens), rounded down to a whole block. The room is `DECODE_TOKENS` for each
+decode that may run there (`LoadBook.decodes_beside`: the sessions streaming or resting there,
+the peers' bookings, at least what the last scrape saw running), rounded up to a block, and
+`DECODE_ROOM` at most. A fixed `DECODE_ROOM` (256 tokens) made the pieces smaller than the
+engine's own chunks: a 64K-token first turn beside one resting session took 9 steps where the
+engine's chunks take 8, and its first token came ≈ 120 ms later than with the room sized to
+that one session (docs/bench/agentic.md, "Pieces as large as the decodes beside them allow").
+Each piece is then one engine step, and the first turn pays a request per piece plus the turns
+it lets through: a 144K-token first turn in 18 pieces reached its first token 0.3–0.5 s later
+than whole over HTTP in front of the sim (each piece's growing prompt is parsed again by the
+worker).
 `prefill_first_piece_tokens` sets the size instead; a worker that reported no budget, with no
 size set, gets its first turns whole (the router does not guess an engine's budget).
 
@@ -108,7 +115,7 @@ its piece goes as before.
 | `prefill_piece_tokens` | ``1024`` | tokens of prefill per piece |
 | `prefill_first_pieces` | ``true`` | a first turn beside live sessions goes in pieces |
 | `prefill_first_piece_tokens` | ``null`` | … of this many tokens (null: the worker's step budget |
-|  |  | less `DECODE_ROOM`) |
+|  |  | less room for the decodes beside it) |
 | `prefill_piece_yield_tokens` | ``null`` | a piece waits while a turn of at most this many |
 |  |  | uncached tokens waits on its worker for a first token (null: off) … |
 | `prefill_piece_yield_max_s` | ``0.5`` | … for this long at most |
@@ -122,8 +129,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECODE_ROOM = 256
-"""Tokens of a step's budget left to the decodes beside a first turn's piece: 256 streams at one
-token a step, or 32 at an 8-token speculative block."""
+"""Tokens of a step's budget left to the decodes beside a first turn's piece, at most: 256
+streams at one token a step, or 32 at an 8-token speculative block."""
+DECODE_TOKENS = 8
+"""Tokens of a step one decode beside a piece may take (an 8-token speculative block)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,15 +160,22 @@ def piece_cuts(prompt_tokens: int, uncached: int, piece: int, block: int) -> lis
     return cuts
 
 
-def first_piece_size(configured: int | None, step_budget: int | None, block: int) -> int | None:
+def first_piece_size(
+    configured: int | None, step_budget: int | None, block: int, decodes: int | None = None
+) -> int | None:
     """The tokens of a first turn's piece (module docstring): `configured` when set, else the
-    worker's `step_budget` less `DECODE_ROOM`, rounded down to a whole `block`; None (no pieces)
-    when neither is known or the budget leaves less than a block."""
+    worker's `step_budget` less room for the decodes that may share its steps — `decodes` of
+    them at `DECODE_TOKENS` each, rounded up to a whole `block`, `DECODE_ROOM` at most and when
+    they are not known (None) — rounded down to a whole `block`; None (no pieces) when neither
+    is known or the budget leaves less than a block."""
     if configured is not None:
         return configured
     if step_budget is None or block <= 0:
         return None
-    piece = (step_budget - DECODE_ROOM) // block * block
+    room = DECODE_ROOM
+    if decodes is not None:
+        room = min(room, -(-max(decodes, 0) * DECODE_TOKENS // block) * block)
+    piece = (step_budget - room) // block * block
     return piece if piece > 0 else None
 
 
@@ -169,19 +185,19 @@ def wants_first_pieces(
     split: bool,
     spilled: bool,
     uncached: int,
-    others_here: bool,
+    lives: int,
 ) -> bool:
     """Is this new session's first turn prefilled in pieces of `piece_tokens` (module
     docstring, "First turns beside live sessions"): prefilled on its decode worker (not split,
     not spilled — the continuing rule paces a spilled one), more than one piece of uncached
-    tokens, and other sessions living on that worker (`others_here`)."""
+    tokens, and other sessions living on that worker (`lives` of them)."""
     return (
         piece_tokens is not None
         and band == "new"
         and not split
         and not spilled
         and uncached > piece_tokens
-        and others_here
+        and lives > 0
     )
 
 

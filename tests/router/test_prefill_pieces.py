@@ -14,6 +14,7 @@ import pytest
 from beamserve.router.flow import FlowConfig, FlowConfigError
 from beamserve.router.flow.pieces import (
     DECODE_ROOM,
+    DECODE_TOKENS,
     PrefillPieces,
     first_piece_size,
     piece_cuts,
@@ -111,10 +112,36 @@ def test_a_first_turn_piece_is_the_step_budget_less_room_for_decodes(
     assert first_piece_size(1000, budget, block) == 1000  # a size set wins
 
 
+@given(
+    budget=st.integers(min_value=1, max_value=70_000),
+    block=st.sampled_from([1, 16, 32, 64, 128]),
+    decodes=st.integers(min_value=0, max_value=100),
+)
+def test_a_first_turn_piece_leaves_room_for_the_decodes_that_may_share_its_steps(
+    budget: int, block: int, decodes: int
+) -> None:
+    """Where the decodes beside it are known, a piece leaves `DECODE_TOKENS` each, in whole
+    blocks, never more than `DECODE_ROOM`: one more decode never makes it larger, and it is
+    never smaller than with the decodes unknown."""
+    piece = first_piece_size(None, budget, block, decodes)
+    unknown = first_piece_size(None, budget, block)
+    more = first_piece_size(None, budget, block, decodes + 1)
+    if piece is None:
+        assert unknown is None and more is None
+        return
+    assert piece % block == 0
+    room = min(DECODE_ROOM, decodes * DECODE_TOKENS)
+    assert piece + room <= budget  # the decodes fit beside it (up to `DECODE_ROOM` tokens)
+    assert budget - piece < room + 2 * block
+    assert unknown is None or unknown <= piece
+    assert more is None or more <= piece
+
+
 def test_first_turn_pieces_are_on_by_default_and_checked() -> None:
     assert FlowConfig().prefill_first_pieces is True
     assert FlowConfig().prefill_first_piece_tokens is None  # the worker's budget
     assert first_piece_size(None, 8192, 16) == 8192 - 256  # the sim's h200 profile
+    assert first_piece_size(None, 8192, 16, 1) == 8192 - 16  # beside one session
     assert FlowConfig.from_mapping({"prefill_first_piece_tokens": 8192}).prefill_pieces() is None
     with pytest.raises(FlowConfigError, match="prefill_first_piece_tokens"):
         FlowConfig.from_mapping({"prefill_first_piece_tokens": 0})
@@ -351,11 +378,13 @@ def test_first_turn_pieces_by_default_are_the_worker_s_step_budget_less_room(
     spawn_worker: SpawnWorker,
 ) -> None:
     """With the router's defaults, the worker's reported budget (512) sizes the pieces: each
-    adds 512 − 256 tokens, so each fits one step beside the decodes; the first starts at 0."""
+    adds 512 − 64 tokens — room for the one session resting there (`a`) to decode beside it, 8
+    tokens rounded up to a 64-token block — so each fits one step; the first starts at 0."""
     cuts, rt, worker = _first_turns_beside_a_rest(spawn_worker)
     assert [e.step_budget for e in rt.endpoints() if e.id == worker] == [512]
+    assert rt.router.hasher.block_size == 64
     assert len(cuts) >= 4, cuts
-    assert cuts == [256 * (i + 1) for i in range(len(cuts))], cuts
+    assert cuts == [448 * (i + 1) for i in range(len(cuts))], cuts
 
 
 def test_first_turn_pieces_switched_off_send_the_prompt_whole(spawn_worker: SpawnWorker) -> None:

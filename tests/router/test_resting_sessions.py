@@ -273,17 +273,37 @@ def test_sessions_live_beside_where_they_rest_or_stream_not_where_they_prefill()
     # does not count (it waits in the engine's order anyway); one streaming does, and so does
     # a session resting between turns, until the rest window passes.
     b, clock = book(rest_initial_s=1.0)
-    assert not b.lives_beside("w0")  # never seen
+    assert b.lives_beside("w0") == 0  # never seen
     f = b.start("w0", 8_000, 8_064)
-    assert not b.lives_beside("w0")  # prefilling
+    assert b.lives_beside("w0") == 0  # prefilling
     b.first_token(f)
-    assert b.lives_beside("w0")  # streaming
+    assert b.lives_beside("w0") == 1  # streaming
     b.finish(f)
-    assert not b.lives_beside("w0")
+    assert b.lives_beside("w0") == 0
     b.rest("s1", "w0", 8_064)
-    assert b.lives_beside("w0") and not b.lives_beside("w1")
+    assert b.lives_beside("w0") == 1 and b.lives_beside("w1") == 0
+    g = b.start("w0", 100, 8_200)
+    b.first_token(g)
+    assert b.lives_beside("w0") == 2  # one resting, one streaming
+    b.finish(g)
     clock.t += 1.5  # past the window
-    assert not b.lives_beside("w0")
+    assert b.lives_beside("w0") == 0
+
+
+def test_the_decodes_beside_a_prefill_are_those_living_there_or_seen_running() -> None:
+    # `LoadBook.decodes_beside`, what sizes a first turn's piece: the sessions streaming or
+    # resting there, and at least what the worker's last scrape saw running (another router's
+    # requests, say), the resting sessions on top.
+    b, _ = book(rest_initial_s=1.0)
+    assert b.decodes_beside("w0") == 0
+    f = b.start("w0", 8_000, 8_064)
+    assert b.decodes_beside("w0") == 0  # still in its prefill
+    b.first_token(f)
+    b.rest("s1", "w0", 8_064)
+    assert b.decodes_beside("w0") == 2
+    b.scraped("w0", {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 0.0})
+    assert b.decodes_beside("w0") == 6  # five running as scraped, and one resting
+    assert b.decodes_beside("w1") == 0
 
 
 def endpoints() -> list[Endpoint]:
