@@ -701,6 +701,13 @@ class Router:
         except Exception:  # logged by `_whole_key`
             pass
 
+    def _start_settle(self, turn: _Turn) -> None:
+        """Start keying the prompt whole (`_settle`) without waiting for it: a piece of a prompt
+        that went on its head is on its way, and the worker prefills it meanwhile."""
+        tail = turn.tail
+        if tail is not None and tail.task is None:
+            tail.task = asyncio.ensure_future(self._whole_key(turn.dispatch, tail))
+
     async def _whole_key(self, d: Dispatch, tail: _Tail) -> None:
         try:
             full = await _off_loop(tail.body_bytes, tail.key.complete)
@@ -759,7 +766,7 @@ class Router:
             protect = self._pool_roles is None or self._pool_roles.mode != "colocated"
             beside = self._first_beside_others(d, decision)
             if turn.tail is not None and (
-                decision.prefill is not None or beside or (protect and self._sized_by_turn_rules(d))
+                decision.prefill is not None or (protect and self._sized_by_turn_rules(d))
             ):
                 await self._settle(turn)  # a prefill leg, a hold or pieces go on the whole prompt
             if decision.prefill is not None:
@@ -902,8 +909,9 @@ class Router:
         await self._send_pieces(turn, decision, rule.piece_tokens)
 
     async def _prefill_first_in_pieces(self, turn: _Turn, decision: RouteDecision) -> None:
-        """A first turn beside live sessions (`_first_beside_others`), now keyed whole: its
-        prefixes in pieces (`_first_piece`), when it still has more than one piece uncached."""
+        """A first turn beside live sessions (`_first_beside_others`): its prefixes in pieces
+        (`_first_piece`), when it still has more than one piece uncached. One that went on its
+        head (`_Tail`) is keyed whole while its first piece prefills (`_send_pieces`)."""
         d, piece = turn.dispatch, self._first_piece(decision.decode)
         f = d.flight
         if piece is None or f is None or d.request.token_ids is None:
@@ -911,28 +919,54 @@ class Router:
         if f.prefill_tokens > piece:
             await self._send_pieces(turn, decision, piece)
 
+    async def _head_for(self, turn: _Turn, tokens: int) -> Sequence[int]:
+        """At least the prompt's first `tokens` token ids (all of them if it has fewer): from
+        the request's key, or, when it went on its head (`_Tail`) and the whole key is not
+        there yet, from its head grown until it covers them — not the whole prompt's."""
+        tail = turn.tail
+        if tail is None or (tail.task is not None and tail.task.done()):
+            token_ids = turn.dispatch.request.token_ids
+            assert token_ids is not None
+            return token_ids()
+        head = tail.key
+        while head.partial and len(head.token_ids) < tokens:
+            head = await _off_loop(tail.body_bytes, head.grow, 2)
+        return head.token_ids
+
     async def _send_pieces(self, turn: _Turn, decision: RouteDecision, piece_tokens: int) -> None:
         """The prompt's prefixes, `piece_tokens` more each, to the decode worker, one after
-        the other (`piece_cuts`); any failure just ends them."""
+        the other (`piece_cuts`); any failure just ends them. A prompt that went on its head
+        sends its first piece from the head (`_head_for`) and is keyed whole (`_settle`) once
+        that piece is on its way: the rest is tokenized while the worker prefills the piece,
+        and the next pieces are cut from the exact length."""
         d = turn.dispatch
         rreq, f = d.request, d.flight
         assert f is not None and rreq.token_ids is not None
-        ids = rreq.token_ids()
-        cuts = piece_cuts(len(ids), f.prefill_tokens, piece_tokens, self.hasher.block_size)
+        block = self.hasher.block_size
+        cuts = piece_cuts(rreq.prompt_tokens, f.prefill_tokens, piece_tokens, block)
         if not cuts:
             return
+        cached = rreq.prompt_tokens - f.prefill_tokens  # the head decides the hit: exact
+        ids = await self._head_for(turn, cuts[0])
+        whole = turn.tail is None or (turn.tail.task is not None and turn.tail.task.done())
         self._call_off(turn.spec)  # the pieces go first
-        self.core.predict(d)
+        if whole:
+            self.core.predict(d)  # (else once the prompt is keyed whole: the whole prompt's)
         model = turn.call.body.get("model") or rreq.model or self.settings.served_models[0]
         ep, sent, t0 = decision.decode, 0, self.core.clock()
         outcome = "done"
-        primed = len(ids) - f.prefill_tokens  # the prompt's tokens the worker holds so far
-        for n in cuts:
+        primed = pieced = cached  # the prompt's tokens the worker holds so far
+        while cuts and cuts[0] < len(ids):
+            n = cuts.pop(0)
             await self._yield_to_short_turns(ep.id, f)
             body = {"model": model, "prompt": ids[:n], "max_tokens": 1, "stream": False}
             try:
                 await self.upstreams.post(
-                    ep, "/v1/completions", body, self.upstreams.first_byte_timeout_s
+                    ep,
+                    "/v1/completions",
+                    body,
+                    self.upstreams.first_byte_timeout_s,
+                    on_sent=None if whole else lambda: self._start_settle(turn),
                 )
             except (UpstreamError, APIError) as exc:
                 outcome = "failed"
@@ -945,14 +979,22 @@ class Router:
                 )
                 break
             sent += 1
+            if not whole:  # keyed whole while the worker prefilled this piece (`amend`)
+                await self._settle(turn)
+                whole = True
+                self.core.predict(d)
+                ids = await self._head_for(turn, 0)
+                cuts = [c for c in piece_cuts(len(ids), len(ids) - cached, piece_tokens, block)
+                        if c > n]  # fmt: skip
             # that piece is prefilled: it waits on the worker no longer (`LoadBook.prefilled`)
             self.core.loads.prefilled(f, n - primed)
-            primed = n
+            primed = pieced = n
+        await self._settle(turn)  # the request itself goes on the whole prompt
         if outcome == "done":  # the request's own remainder is a piece too
             await self._yield_to_short_turns(ep.id, f)
         self.metrics.prefill_pieces.inc(sent)
         self.metrics.pieced_prefills.labels(outcome).inc()
-        d.pieced_tokens = cuts[sent - 1] if sent else 0
+        d.pieced_tokens = pieced if sent else 0
         log.debug(
             "router.prefill_pieces",
             request_id=rreq.request_id,

@@ -630,10 +630,12 @@ def _spill_z(var: str = "BS_SPILL_Z") -> tuple[str, ...]:
     return args
 
 
-def _adaptive(name: str, args: tuple[str, ...]) -> RouterSpec:
-    """A `beamserve-adaptive*` router: beamserve over `kv_both` workers with `args`."""
+def _adaptive(
+    name: str, args: tuple[str, ...], exe: Callable[[], str | None] = beamserve_exe
+) -> RouterSpec:
+    """A `beamserve-adaptive*` router: beamserve (`exe`) over `kv_both` workers with `args`."""
     return RouterSpec(name, "beamserve", "sticky-until-saturated", "beamserve", _beamserve_argv,
-                      beamserve_exe, ready_json=True, kv_both=True, extra_args=args)  # fmt: skip
+                      exe, ready_json=True, kv_both=True, extra_args=args)  # fmt: skip
 
 
 def _router_specs() -> dict[str, RouterSpec]:
@@ -647,6 +649,7 @@ def _router_specs() -> dict[str, RouterSpec]:
         _adaptive("beamserve-adaptive-3", pd_rule_adaptive(3.0)),
         _adaptive("beamserve-adaptive-10", pd_rule_adaptive(10.0)),
         _adaptive("beamserve-adaptive-spill", _SHIPPED_SPILL),
+        _adaptive("beamserve-adaptive-spill-baseline", _SHIPPED_SPILL, _baseline_exe),
         _adaptive("beamserve-adaptive-lull", _LULL_SPILL),
         _adaptive("beamserve-adaptive-spill-unpriced", pd_rule_adaptive(6.0, spill_after_s=0.3)),
         _adaptive("beamserve-adaptive-spill-wide",

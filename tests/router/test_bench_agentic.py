@@ -417,3 +417,22 @@ def test_worker_settings_are_refused_for_workers_the_bench_does_not_start(
     )  # fmt: skip
     assert r.returncode == 2
     assert "--worker-max-num-batched-tokens" in r.stdout + r.stderr
+
+
+def test_the_shipped_router_runs_beside_another_build_of_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`beamserve-adaptive-spill-baseline`: the shipped router's arguments, with the
+    executable `BEAMSERVE_BASELINE` names; without one, the router cannot start."""
+    shipped, base = (
+        ROUTERS["beamserve-adaptive-spill"],
+        ROUTERS["beamserve-adaptive-spill-baseline"],
+    )
+    assert base.extra_args == shipped.extra_args and base.kv_both
+    monkeypatch.delenv("BEAMSERVE_BASELINE", raising=False)
+    assert base.exe() is None
+    exe = tmp_path / "beamserve"
+    exe.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("BEAMSERVE_BASELINE", str(exe))
+    assert base.exe() == str(exe)
+    assert shipped.exe() != str(exe)

@@ -339,6 +339,67 @@ def test_a_first_turn_beside_a_resting_session_goes_in_pieces(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_a_first_turn_on_its_head_sends_its_first_piece_before_it_is_keyed_whole(
+    spawn_worker: SpawnWorker, fail_first: bool
+) -> None:
+    """A long first turn routed on its head (`HEAD_CHARS`), beside a resting session, in
+    4,096-token pieces: the first piece is cut from the head, grown to cover it, and goes out
+    before the prompt is tokenized whole; the later pieces are cut from the exact length; the
+    answer finds the last piece cached; nothing stays booked. When that first piece fails
+    (unreachable), the request is keyed whole all the same and served."""
+    w = spawn_worker("--engine", "sim", "--profile", "h200-bf16-tp8")
+    rt, worker = router_over(w.url, prefill_first_piece_tokens=4096)
+    hasher = rt.router.hasher
+    events: list[tuple[str, int]] = []
+    whole_key, post = hasher.whole_key, rt.router.upstreams.post
+
+    def keyed_whole(segs: Any) -> Any:
+        key = whole_key(segs)
+        events.append(("whole", key.prompt_tokens))
+        return key
+
+    async def watched(ep: Any, path: str, body: dict[str, Any], timeout: float, **kw: Any) -> Any:
+        if path == "/v1/completions" and body.get("max_tokens") == 1:
+            events.append(("piece", len(body["prompt"])))
+            if fail_first:
+                raise UpstreamError(ep.id, "connect", "unreachable (test)")
+        return await post(ep, path, body, timeout, **kw)
+
+    hasher.whole_key = keyed_whole  # type: ignore[method-assign]
+    rt.router.upstreams.post = watched  # type: ignore[method-assign]
+    prompt = "the tool said " + "line of output " * 3000  # ≈ 45K characters: a head key
+
+    async def main() -> None:
+        async with serving(rt) as c:
+            r = await c.post(URL, json={"model": "beam", "messages": FIRST, "max_tokens": 2},
+                             headers={"x-session-id": "a"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            events.clear()
+            body = {"model": "beam", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 2}  # fmt: skip
+            r = await c.post(URL, json=body, headers={"x-session-id": "b"})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            nothing_booked(rt, worker)
+            pieces = [n for kind, n in events if kind == "piece"]
+            wholes = [i for i, (kind, _) in enumerate(events) if kind == "whole"]
+            assert events[0] == ("piece", 4096), events  # before any whole key
+            assert len(wholes) == 1 and events[wholes[0]][1] == usage["prompt_tokens"], events
+            text = (await c.get("/metrics")).text
+            if fail_first:
+                assert events == [("piece", 4096), ("whole", usage["prompt_tokens"])]
+                assert metric(text, 'beamserve_router_pieced_prefills_total{outcome="failed"}') == 1
+                return
+            assert metric(text, "beamserve_router_prefill_pieces_total") == len(pieces)
+            total = usage["prompt_tokens"]
+            assert pieces == [4096 * (i + 1) for i in range(len(pieces))], pieces
+            assert pieces[-1] < total <= pieces[-1] + 4096  # cut from the exact length
+            assert usage["prompt_tokens_details"]["cached_tokens"] == pieces[-1]
+
+    asyncio.run(main())
+
+
 def _first_turns_beside_a_rest(
     spawn_worker: SpawnWorker, **flow: Any
 ) -> tuple[list[int], RouterRuntime, str]:
