@@ -873,10 +873,11 @@ class Router:
         steps (`LoadBook.decodes_beside`); None: off."""
         if not self._first_pieces:
             return None
-        if self._first_piece_tokens is not None or ep.step_budget is None:
-            return first_piece_size(self._first_piece_tokens, ep.step_budget, 1)
-        decodes = self.core.loads.decodes_beside(ep.id)
-        return first_piece_size(None, ep.step_budget, self.hasher.block_size, decodes)
+        sized = self._first_piece_tokens is None and ep.step_budget is not None
+        decodes = self.core.loads.decodes_beside(ep.id) if sized else None
+        return first_piece_size(
+            self._first_piece_tokens, ep.step_budget, self.hasher.block_size, decodes
+        )
 
     def _first_beside_others(self, d: Dispatch, decision: RouteDecision) -> bool:
         """Is this a new session's first turn that prefills on its decode worker while other
@@ -919,12 +920,18 @@ class Router:
         if f.prefill_tokens > piece:
             await self._send_pieces(turn, decision, piece)
 
+    @staticmethod
+    def _keyed_whole(turn: _Turn) -> bool:
+        """Is the request's key its whole prompt's (not routed on its head, or settled)?"""
+        tail = turn.tail
+        return tail is None or (tail.task is not None and tail.task.done())
+
     async def _head_for(self, turn: _Turn, tokens: int) -> Sequence[int]:
         """At least the prompt's first `tokens` token ids (all of them if it has fewer): from
         the request's key, or, when it went on its head (`_Tail`) and the whole key is not
         there yet, from its head grown until it covers them — not the whole prompt's."""
         tail = turn.tail
-        if tail is None or (tail.task is not None and tail.task.done()):
+        if tail is None or self._keyed_whole(turn):
             token_ids = turn.dispatch.request.token_ids
             assert token_ids is not None
             return token_ids()
@@ -948,14 +955,14 @@ class Router:
             return
         cached = rreq.prompt_tokens - f.prefill_tokens  # the head decides the hit: exact
         ids = await self._head_for(turn, cuts[0])
-        whole = turn.tail is None or (turn.tail.task is not None and turn.tail.task.done())
+        whole = self._keyed_whole(turn)
         self._call_off(turn.spec)  # the pieces go first
         if whole:
             self.core.predict(d)  # (else once the prompt is keyed whole: the whole prompt's)
         model = turn.call.body.get("model") or rreq.model or self.settings.served_models[0]
         ep, sent, t0 = decision.decode, 0, self.core.clock()
         outcome = "done"
-        primed = pieced = cached  # the prompt's tokens the worker holds so far
+        primed = cached  # the prompt's tokens the worker holds so far
         while cuts and cuts[0] < len(ids):
             n = cuts.pop(0)
             await self._yield_to_short_turns(ep.id, f)
@@ -988,13 +995,13 @@ class Router:
                         if c > n]  # fmt: skip
             # that piece is prefilled: it waits on the worker no longer (`LoadBook.prefilled`)
             self.core.loads.prefilled(f, n - primed)
-            primed = pieced = n
+            primed = n
         await self._settle(turn)  # the request itself goes on the whole prompt
         if outcome == "done":  # the request's own remainder is a piece too
             await self._yield_to_short_turns(ep.id, f)
         self.metrics.prefill_pieces.inc(sent)
         self.metrics.pieced_prefills.labels(outcome).inc()
-        d.pieced_tokens = pieced if sent else 0
+        d.pieced_tokens = primed if sent else 0
         log.debug(
             "router.prefill_pieces",
             request_id=rreq.request_id,

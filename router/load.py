@@ -620,9 +620,10 @@ class LoadBook:
         if w is None:
             return 0
         now = self.clock()
+        if self._rest:
+            self._expire(now)
         peers = 0 if self.peers is None else self.peers.counts(worker, now).in_flight
-        resting = self.lives_beside(worker) - len(w.streaming)
-        return max(len(w.streaming) + peers, w.running) + resting
+        return max(len(w.streaming) + peers, w.running) + max(w.resting, 0)
 
     def short_prefills(self, worker: str, max_tokens: int, exclude: Flight | None = None) -> int:
         """How many of this replica's requests wait on `worker` for their first token (booked

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         report = {"command": sys.argv, "tokens": args.tokens, "n": args.n,
                   "max_tokens": args.max_tokens, "first_turns": args.first_turns,
-                  "warm": args.warm if args.first_turns else None, "rows": rows}  # fmt: skip
+                  "warm": warm, "rows": rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -79,8 +79,8 @@ decode that may run there (`LoadBook.decodes_beside`: the sessions streaming or 
 the peers' bookings, at least what the last scrape saw running), rounded up to a block, and
 `DECODE_ROOM` at most. A fixed `DECODE_ROOM` (256 tokens) made the pieces smaller than the
 engine's own chunks: a 64K-token first turn beside one resting session took 9 steps where the
-engine's chunks take 8, and its first token came ≈ 120 ms later than with the room sized to
-that one session (docs/bench/agentic.md, "Pieces as large as the decodes beside them allow").
+engine's chunks take 8, each step with its fixed cost (docs/bench/agentic.md, "Pieces as large
+as the decodes beside them allow").
 Each piece is then one engine step, and the first turn pays a request per piece plus the turns
 it lets through: a 144K-token first turn in 18 pieces reached its first token 0.3–0.5 s later
 than whole over HTTP in front of the sim (each piece's growing prompt is parsed again by the
